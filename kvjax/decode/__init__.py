@@ -1,0 +1,1 @@
+"""Jit-compiled decoding steps and the loops built on them."""

@@ -1,0 +1,1 @@
+"""Pure forward functions over a params pytree; one file per model family."""

@@ -1,0 +1,145 @@
+"""Hugging Face safetensors <-> kvjax params, and Orbax save/restore of params.
+
+The mapping is one table (`_layer_map`) used in both directions, so loading and exporting cannot drift apart.
+Every problem with a checkpoint names the tensor: missing, unexpected, or mis-shaped (with both shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.models.common import np_dtype
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not match the config: names the tensor and what was expected."""
+
+
+def _layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """kvjax key -> (HF name, HF shape, transpose?)."""
+    H, I = config.hidden_size, config.intermediate_size
+    N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    p = f"model.layers.{i}."
+    m = {
+        "attn_norm": (p + "input_layernorm.weight", (H,), False),
+        "wq": (p + "self_attn.q_proj.weight", (N * D, H), True),
+        "wk": (p + "self_attn.k_proj.weight", (K * D, H), True),
+        "wv": (p + "self_attn.v_proj.weight", (K * D, H), True),
+        "wo": (p + "self_attn.o_proj.weight", (H, N * D), True),
+        "mlp_norm": (p + "post_attention_layernorm.weight", (H,), False),
+        "w_gate": (p + "mlp.gate_proj.weight", (I, H), True),
+        "w_up": (p + "mlp.up_proj.weight", (I, H), True),
+        "w_down": (p + "mlp.down_proj.weight", (H, I), True),
+    }
+    if config.attention_bias:
+        m["bq"] = (p + "self_attn.q_proj.bias", (N * D,), False)
+        m["bk"] = (p + "self_attn.k_proj.bias", (K * D,), False)
+        m["bv"] = (p + "self_attn.v_proj.bias", (K * D,), False)
+    if config.qk_norm:
+        m["q_norm"] = (p + "self_attn.q_norm.weight", (D,), False)
+        m["k_norm"] = (p + "self_attn.k_norm.weight", (D,), False)
+    return m
+
+
+def _top_map(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    V, H = config.vocab_size, config.hidden_size
+    m = {"embed": ("model.embed_tokens.weight", (V, H), False), "final_norm": ("model.norm.weight", (H,), False)}
+    if not config.tie_word_embeddings:
+        m["lm_head"] = ("lm_head.weight", (V, H), True)
+    return m
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json` in a directory, as NumPy."""
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        out: dict[str, np.ndarray] = {}
+        for s in shards:
+            out.update(load_file(os.path.join(path, s)))
+        return out
+    if os.path.exists(single):
+        return load_file(single)
+    raise WeightsError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], dtype="f32") -> dict[str, Any]:
+    """Map HF tensors to the params pytree, checking every name and shape.
+
+    Raises:
+        WeightsError: listing missing, unexpected and mis-shaped tensors.
+    """
+    dt = np_dtype(dtype)
+    missing, bad = [], []
+    used = set()
+
+    def take(name, shape, transpose):
+        if name not in tensors:
+            missing.append(name)
+            return None
+        t = tensors[name]
+        used.add(name)
+        if tuple(t.shape) != shape:
+            bad.append(f"{name}: got {tuple(t.shape)}, expected {shape}")
+            return None
+        t = np.asarray(t, dtype=np.float32)
+        return jnp.asarray((t.T if transpose else t).astype(dt))
+
+    top = {k: take(*v) for k, v in _top_map(config).items()}
+    layers = tuple({k: take(*v) for k, v in _layer_map(config, i).items()} for i in range(config.num_layers))
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        used.add("lm_head.weight")  # some exporters write the tied head too; it must equal the embedding
+    unexpected = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if missing or bad or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if bad:
+            parts.append(f"mis-shaped tensors: {bad[:8]}")
+        raise WeightsError("; ".join(parts))
+    return {**top, "layers": layers}
+
+
+def params_to_tensors(config: ModelConfig, params: dict[str, Any], dtype="f32") -> dict[str, np.ndarray]:
+    """The inverse of `params_from_tensors`: HF names and `[out, in]` layouts, for `save_file`."""
+    dt = np_dtype(dtype)
+    out = {}
+    for k, (name, _, tr) in _top_map(config).items():
+        a = np.asarray(params[k], np.float32)
+        out[name] = np.ascontiguousarray((a.T if tr else a).astype(dt))
+    for i, layer in enumerate(params["layers"]):
+        for k, (name, _, tr) in _layer_map(config, i).items():
+            a = np.asarray(layer[k], np.float32)
+            out[name] = np.ascontiguousarray((a.T if tr else a).astype(dt))
+    return out
+
+
+def save_orbax(path: str | os.PathLike, params: Any) -> None:
+    """Save a params pytree with Orbax (`StandardCheckpointer`); `path` must not exist yet."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(os.fspath(path)), params)
+    ckpt.wait_until_finished()
+
+
+def restore_orbax(path: str | os.PathLike, like: Any) -> Any:
+    """Restore params saved by `save_orbax` into the structure/dtypes of `like` (concrete or abstract pytree)."""
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
+    return ocp.StandardCheckpointer().restore(os.path.abspath(os.fspath(path)), abstract)
