@@ -25,6 +25,9 @@ class Model:
     tokenizer: Any = None
     path: str | None = None
     dtype: str = "f32"
+    # Families other than Llama (e.g. DeepSeek-V4) plug in a module with `logits(model, ids)` and
+    # `generate(model, ids, max_new_tokens, stop_at_eos=...)`; None means the Llama-family path below.
+    family_api: Any = None
 
 
 def load(path: str | os.PathLike, *, dtype: str = "f32") -> Model:
