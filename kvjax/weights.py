@@ -143,3 +143,48 @@ def restore_orbax(path: str | os.PathLike, like: Any) -> Any:
 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
     return ocp.StandardCheckpointer().restore(os.path.abspath(os.fspath(path)), abstract)
+
+
+def hf_config_dict(config: ModelConfig, *, architectures: tuple[str, ...] | None = None,
+                   torch_dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face config.json dict for a Llama-family ModelConfig (inverse of `config_from_hf`)."""
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}[config.family]
+    r = config.rope
+    rope: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type in ("linear", "llama3", "yarn"):
+        rope["factor"] = r.factor
+    if r.rope_type in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = r.original_max_position_embeddings
+    if r.rope_type == "llama3":
+        rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.rope_type == "yarn":
+        rope.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+        if r.attention_factor is not None:
+            rope["attention_factor"] = r.attention_factor
+    d: dict[str, Any] = {
+        "architectures": list(architectures or (arch,)),
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": config.attention_bias,
+        "layer_types": list(config.layer_types),
+        "torch_dtype": torch_dtype,
+    }
+    if config.sliding_window is not None:
+        d["sliding_window"] = config.sliding_window
+    if config.bos_token_id is not None:
+        d["bos_token_id"] = config.bos_token_id
+    if config.eos_token_ids:
+        d["eos_token_id"] = config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else list(config.eos_token_ids)
+    return d

@@ -109,3 +109,42 @@ def forward(
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random params (normal, std 0.02; output projections scaled by 1/sqrt(2 * layers), GPT-2 style) for training."""
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    keys = iter(jax.random.split(key, 8 * config.num_layers + 4))
+    std = 0.02
+    out_std = std / (2 * config.num_layers) ** 0.5
+
+    def w(shape, s=std):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(dtype)
+
+    layers = []
+    for _ in range(config.num_layers):
+        layer = {
+            "attn_norm": jnp.ones((H,), dtype), "mlp_norm": jnp.ones((H,), dtype),
+            "wq": w((H, N * D)), "wk": w((H, K * D)), "wv": w((H, K * D)), "wo": w((N * D, H), out_std),
+            "w_gate": w((H, I)), "w_up": w((H, I)), "w_down": w((I, H), out_std),
+        }
+        if config.attention_bias:
+            layer.update(bq=jnp.zeros((N * D,), dtype), bk=jnp.zeros((K * D,), dtype), bv=jnp.zeros((K * D,), dtype))
+        if config.qk_norm:
+            layer.update(q_norm=jnp.ones((D,), dtype), k_norm=jnp.ones((D,), dtype))
+        layers.append(layer)
+    params = {"embed": w((V, H)), "final_norm": jnp.ones((H,), dtype), "layers": tuple(layers)}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = w((H, V))
+    return params
+
+
+def forward_train(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Full causal forward with no carried state (training / evaluation): logits f32[B, T, V]."""
+    from kvjax.cache.forms import init_cache  # local: forms imports config only, no cycle, but keep the edge visible
+
+    B, T = tokens.shape
+    cache = init_cache(config, B, T, params["embed"].dtype)
+    logits, _ = forward(params, config, cache, tokens)
+    return logits
