@@ -183,6 +183,8 @@ def hf_config_dict(config: ModelConfig, *, architectures: tuple[str, ...] | None
     }
     if config.sliding_window is not None:
         d["sliding_window"] = config.sliding_window
+        if config.family in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = True
     if config.bos_token_id is not None:
         d["bos_token_id"] = config.bos_token_id
     if config.eos_token_ids:
