@@ -15,13 +15,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
 from kvjax.data import corpus  # noqa: E402
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--out", default=os.path.join(REPO, "checkpoints", "kvjax-code-tiny"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     m = corpus.write_manifest(os.path.join(args.out, "corpus_manifest.json"))

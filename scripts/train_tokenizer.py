@@ -17,7 +17,8 @@ import time
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
 from kvjax.data import corpus  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -63,7 +64,7 @@ def training_texts(max_bytes: int) -> tuple[list[str], list[str]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--out", default=os.path.join(REPO, "checkpoints", "kvjax-code-tiny"))
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--max-mb", type=float, default=20.0, help="train on at most this much of the train split")
     args = ap.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
     record = dict(
         vocab_size=tok.get_vocab_size(),
         special_tokens=SPECIAL_TOKENS,
-        trained_on="train split, files in path order until max_bytes",
+        trained_on="train split pieces (separator line + file text), in path order, until max_bytes",
         max_bytes=int(args.max_mb * 1e6),
         n_files=len(used),
         bytes=sum(len(t.encode("utf-8")) for t in texts),
