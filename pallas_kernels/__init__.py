@@ -1,0 +1,13 @@
+"""Attention kernels for kvjax: Pallas kernels, their pure-jnp f32 references, and implementation dispatch.
+
+Every public function takes `implementation=` (None = "pallas" on GPU, "xla" elsewhere; or "xla", "pallas",
+"pallas_interpret", "pallas_debug"). See README.md for the backend choice and each kernel's masking rule.
+"""
+
+from pallas_kernels.attention import (attend, compressed_attention, decode_attention, verify_attention,
+                                      window_attention)
+from pallas_kernels.backend import IMPLEMENTATIONS, resolve
+from pallas_kernels.online_softmax import combine, finalize
+
+__all__ = ["IMPLEMENTATIONS", "attend", "combine", "compressed_attention", "decode_attention", "finalize",
+           "resolve", "verify_attention", "window_attention"]

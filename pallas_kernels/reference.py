@@ -1,0 +1,123 @@
+"""Pure-jnp f32 references: the definitions every kernel must match (same signatures as the public functions).
+
+Every reference reduces to one masked softmax, `masked_softmax_attention`, over an explicit visibility mask; each
+kernel's masking rule is written here once, in the plainest form, next to its docstring. Everything is computed in f32
+(inputs upcast), so bf16 kernels are judged against the exact answer with a bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import online_softmax as osm
+
+
+def masked_softmax_attention(q, k, v, vis, *, scale=None, sinks=None, return_stats=False):
+    """f32 GQA attention over an explicit mask.
+
+    Args:
+        q: [B, T, N, D].
+        k, v: [B, K, S, D] or per-query [B, K, T, S, D] (v None: keys are the values).
+        vis: bool[B, K|1, T, S].
+        scale: default D ** -0.5; sinks: f32[N] per-head sink logits or None.
+        return_stats: return `(o f32[B, T, N, D] un-normalised, m f32[B, T, N], l f32[B, T, N])` instead.
+
+    Returns:
+        [B, T, N, D] in q's dtype; rows with nothing visible (and no sink) are zeros.
+    """
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    G = N // K
+    v = k if v is None else v
+    scale = D**-0.5 if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(B, T, K, G, D)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    if k.ndim == 4:
+        s = jnp.einsum("BTKGD,BKSD->BKGTS", qg, kf, precision=hp) * scale
+    else:
+        s = jnp.einsum("BTKGD,BKTSD->BKGTS", qg, kf, precision=hp) * scale
+    mask = vis[:, :, None]  # [B, K|1, 1, T, S]
+    s = jnp.where(mask, s, osm.MASK_VALUE)
+    m = jnp.max(s, axis=-1)  # [B, K, G, T]
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    if v.ndim == 4:
+        o = jnp.einsum("BKGTS,BKSD->BTKGD", p, vf, precision=hp)
+    else:
+        o = jnp.einsum("BKGTS,BKTSD->BTKGD", p, vf, precision=hp)
+    o = o.reshape(B, T, N, D)
+    m = jnp.transpose(m, (0, 3, 1, 2)).reshape(B, T, N)
+    l = jnp.transpose(l, (0, 3, 1, 2)).reshape(B, T, N)
+    if return_stats:
+        return o, m, l
+    return osm.finalize(o, m, l, sinks).astype(q.dtype)
+
+
+def position_visible(q_pos, k_pos, window=None):
+    """bool[B, K|1, T, S]: key visible iff 0 <= k_pos <= q_pos (and k_pos > q_pos - W). k_pos: [B, S] or [B, K, S]."""
+    kp = k_pos[:, None, :] if k_pos.ndim == 2 else k_pos
+    q = q_pos[:, None, :, None]
+    kk = kp[:, :, None, :]
+    ok = (kk >= 0) & (kk <= q)
+    if window is not None:
+        ok &= kk > q - window
+    return ok
+
+
+def attend_reference(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, return_stats=False):
+    """Kernel 0: position-masked attention (the rule of `kvjax.models.attention.attend`)."""
+    return masked_softmax_attention(q, k, v, position_visible(q_pos, k_pos, window), scale=scale, sinks=sinks,
+                                    return_stats=return_stats)
+
+
+def dense_query_positions(lengths, T):
+    """i32[B, T]: the T newest tokens of a dense cache holding `lengths[b]` tokens sit at lengths - T + t."""
+    return lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
+def decode_reference(q, k, v, lengths, *, window=None, scale=None, sinks=None):
+    """Kernels 1/2: dense cache (slot == position) holding `lengths[b]` tokens, the last T of which are the queries.
+
+    T = 1 is decode; T = x + 1 is verification (the draft block was written into the cache, so the queries are causal
+    among themselves and see the whole prefix).
+    """
+    S = k.shape[2]
+    T = q.shape[1]
+    k_pos = jnp.where(jnp.arange(S)[None, :] < lengths[:, None], jnp.arange(S)[None, :], -1)
+    return attend_reference(q, k, v, dense_query_positions(lengths, T), k_pos, window=window, scale=scale,
+                            sinks=sinks)
+
+
+def ring_positions(seen, capacity):
+    """i32[B, C]: position held by each slot of a ring of capacity C after `seen[b]` writes (-1 empty)."""
+    c = jnp.arange(capacity)[None, :]
+    last = seen[:, None] - 1
+    pos = last - jnp.mod(last - c, capacity)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def window_reference(q, k, v, q_pos, seen, *, window, scale=None, sinks=None):
+    """Kernel 3: sliding window over a ring of capacity C >= W (slot p % C holds position p)."""
+    return attend_reference(q, k, v, q_pos, ring_positions(seen, k.shape[2]), window=window, scale=scale,
+                            sinks=sinks)
+
+
+def compressed_reference(q, k, v, q_pos, *, ratio, scale=None, sinks=None):
+    """Kernel 4: compressed entries `[B, K, E, D]`; entry w visible to the query at t iff w < (t + 1) // m."""
+    E = k.shape[2]
+    w = jnp.arange(E)[None, None, None, :]
+    vis = w < ((q_pos + 1) // ratio)[:, None, :, None]
+    vis &= (q_pos >= 0)[:, None, :, None]
+    return masked_softmax_attention(q, k, v, vis, scale=scale, sinks=sinks)
+
+
+def sparse_reference(q, k, v, indices, *, scale=None, sinks=None):
+    """Kernel 5: each query attends to the entries `indices[b, t, :]` of `[B, K, E, D]`; -1 marks an invalid pick."""
+    idx = jnp.maximum(indices, 0)  # [B, T, P]
+    gather = jax.vmap(lambda kb, ib: kb[:, ib])  # [K, E, D], [T, P] -> [K, T, P, D]
+    kg = gather(k, idx)
+    vg = None if v is None else gather(v, idx)
+    vis = (indices >= 0)[:, None]  # [B, 1, T, P]
+    return masked_softmax_attention(q, kg, vg, vis, scale=scale, sinks=sinks)
