@@ -8,6 +8,8 @@ from pallas_kernels.attention import (attend, compressed_attention, decode_atten
                                       window_attention)
 from pallas_kernels.backend import IMPLEMENTATIONS, resolve
 from pallas_kernels.online_softmax import combine, finalize
+from pallas_kernels.quantized import quantized_attention
+from pallas_kernels.sparse import sparse_attention
 
 __all__ = ["IMPLEMENTATIONS", "attend", "combine", "compressed_attention", "decode_attention", "finalize",
-           "resolve", "verify_attention", "window_attention"]
+           "quantized_attention", "resolve", "sparse_attention", "verify_attention", "window_attention"]
