@@ -1,0 +1,156 @@
+"""Cache identity: a `Namespace` says which computation produced a cache entry; block keys chain inside it.
+
+A namespace has two typed parts (after LMCache's split, see REFERENCES.md "Prefix caching"):
+
+- **semantic** — what the model computes: the weights as a content fingerprint (never a name), tokenizer and
+  chat-template revisions, the adapter's content fingerprint and scale, and every config field that changes keys or
+  values (`ModelConfig.kv_fields()`: rope, windows, layer types, family, compression rates for hybrid families);
+- **representation** — how the bytes are stored: kv dtype, layout/format version (per-form fingerprints from
+  `layout.py`), kernel ABI, mesh/topology, block size.
+
+plus a per-tenant salt that the server supplies. Sampling parameters are deliberately absent: they do not change
+keys/values. The digest is BLAKE2b over a canonical JSON encoding in which every field is a typed, named entry, so
+one field's value can never be read as another's (an adapter name cannot collide with a tenant salt); the
+`person` parameter separates the namespace, block-key and payload hash domains.
+
+Block keys chain `H(namespace, parent key, block token ids)`. A digest is an address, not a proof: a hit always
+re-compares token ids (radix.py) and store entries carry their tokens (tiers.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+NAMESPACE_DOMAIN = b"kvjax.ns.v1"
+BLOCK_DOMAIN = b"kvjax.block.v1"
+PAYLOAD_DOMAIN = b"kvjax.payload1"
+ROOT_KEY = bytes(32)
+
+
+def _canonical(obj: Any) -> Any:
+    """JSON-safe canonical form: tuples -> lists, floats by repr (so 1.0 and 1 differ), dataclasses -> dicts."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"__type__": type(obj).__name__, **{k: _canonical(v) for k, v in dataclasses.asdict(obj).items()}}
+    if isinstance(obj, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if isinstance(obj, float):
+        return {"f": repr(obj)}
+    if isinstance(obj, (bool, int, str)) or obj is None:
+        return obj
+    if isinstance(obj, (np.integer, np.floating)):
+        return _canonical(obj.item())
+    return {"repr": repr(obj)}
+
+
+def digest(domain: bytes, *parts: bytes) -> bytes:
+    """32-byte BLAKE2b of length-prefixed `parts` in hash domain `domain` (<= 16 bytes)."""
+    h = hashlib.blake2b(digest_size=32, person=domain[:16])
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def weights_fingerprint(params) -> str:
+    """Content fingerprint of a params pytree: BLAKE2b over every leaf's path, dtype, shape and bytes.
+
+    A renamed checkpoint with the same weights keeps its cache; a retrained one with the same name does not.
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"kvjax.weights1")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(leaf)
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Identity of a cache: semantic + representation fields and a tenant salt. Compare and hash by `digest`.
+
+    Attributes:
+        semantic: what the model computes (weights fingerprint, tokenizer/template revisions, adapter, kv fields).
+        representation: how the bytes are stored (kv dtype, format fingerprints, kernel ABI, mesh, block size).
+        tenant_salt: per-tenant isolation set by the server ("" = shared).
+    """
+
+    semantic: Mapping[str, Any]
+    representation: Mapping[str, Any]
+    tenant_salt: str = ""
+
+    @property
+    def digest(self) -> bytes:
+        body = json.dumps({"semantic": _canonical(self.semantic), "representation": _canonical(self.representation),
+                           "tenant_salt": self.tenant_salt}, sort_keys=True, separators=(",", ":"))
+        return digest(NAMESPACE_DOMAIN, body.encode())
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    def flat_fields(self) -> dict[str, str]:
+        """`part.field` -> canonical JSON of its value (used to name the fields that make two namespaces differ)."""
+        out = {f"semantic.{k}": json.dumps(_canonical(v), sort_keys=True) for k, v in self.semantic.items()}
+        out.update({f"representation.{k}": json.dumps(_canonical(v), sort_keys=True)
+                    for k, v in self.representation.items()})
+        out["tenant_salt"] = json.dumps(self.tenant_salt)
+        return out
+
+    def diff(self, other: "Namespace") -> list[str]:
+        """Names of the fields whose values differ (sorted), e.g. ['semantic.weights']."""
+        a, b = self.flat_fields(), other.flat_fields()
+        return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+    def to_json(self) -> str:
+        return json.dumps({"semantic": _canonical(self.semantic), "representation": _canonical(self.representation),
+                           "tenant_salt": self.tenant_salt}, sort_keys=True)
+
+
+def make_namespace(config, *, weights: str, kv_dtype: str, formats: Mapping[str, str], block_size: int,
+                   tokenizer_rev: str = "", template_rev: str = "", adapter: str = "", adapter_scale: float = 1.0,
+                   kernel_abi: str = "jnp-ref-1", mesh: str = "single-device", tenant_salt: str = "") -> Namespace:
+    """Build the namespace of a model + cache layout.
+
+    Args:
+        config: a config with `kv_fields()` (every field that changes keys/values).
+        weights: content fingerprint of the weights (`weights_fingerprint(params)`), not a name.
+        kv_dtype: cache dtype name ("float32", "bfloat16").
+        formats: form name -> format/ABI fingerprint (`layout.FormSpec.fingerprint`).
+        block_size: tokens per block `P`.
+        adapter: content fingerprint of the adapter weights ("" = none); adapter_scale its scale.
+        tenant_salt: per-tenant salt from the server.
+    """
+    semantic = {"weights": weights, "tokenizer_rev": tokenizer_rev, "template_rev": template_rev,
+                "adapter": adapter, "adapter_scale": float(adapter_scale), "kv_fields": config.kv_fields()}
+    representation = {"kv_dtype": kv_dtype, "formats": dict(formats), "kernel_abi": kernel_abi, "mesh": mesh,
+                      "block_size": int(block_size)}
+    return Namespace(semantic=semantic, representation=representation, tenant_salt=tenant_salt)
+
+
+def block_key(namespace_digest: bytes, parent: bytes, tokens: np.ndarray) -> bytes:
+    """Key of one block: H(namespace, parent key, block token ids as little-endian i32)."""
+    return digest(BLOCK_DOMAIN, namespace_digest, parent, np.asarray(tokens, "<i4").tobytes())
+
+
+def block_keys(namespace_digest: bytes, tokens: np.ndarray, block_size: int, parent: bytes = ROOT_KEY,
+               ) -> list[bytes]:
+    """Chained keys of the full blocks of `tokens` (a trailing partial block has no key)."""
+    keys = []
+    for s in range(0, (len(tokens) // block_size) * block_size, block_size):
+        parent = block_key(namespace_digest, parent, tokens[s:s + block_size])
+        keys.append(parent)
+    return keys
+
+
+def payload_checksum(data: bytes) -> str:
+    """Checksum of a stored payload (BLAKE2b, its own domain)."""
+    return digest(PAYLOAD_DOMAIN, data).hex()
