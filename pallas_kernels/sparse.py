@@ -21,7 +21,15 @@ from pallas_kernels.backend import compiler_params, interpret_arg, resolve
 from pallas_kernels.layout import next_pow2, row_count
 
 
-def _kernel(*refs, block_k, n_picks, kv_shared, scale):
+def _gather(ref, idx, checked):
+    """Rows `ref[idx]` of a [E, D] ref. `checked`: one dynamic-slice read per row instead of a gather, because the
+    bounds-checking interpreter (`InterpretParams`) rejects gathers ("advanced indexers") but checks slices."""
+    if not checked:
+        return ref[idx, :]
+    return jnp.concatenate([ref[pl.ds(idx[i], 1), :] for i in range(idx.shape[0])], axis=0)
+
+
+def _kernel(*refs, block_k, n_picks, kv_shared, scale, checked):
     it = iter(refs)
     idx_ref, q_ref, k_ref = next(it), next(it), next(it)
     v_ref = k_ref if kv_shared else next(it)
@@ -30,9 +38,9 @@ def _kernel(*refs, block_k, n_picks, kv_shared, scale):
 
     def compute(idx, ok, state):
         safe = jnp.maximum(idx, 0)  # -1 picks read row 0 and are masked: never an out-of-bounds gather
-        kb = k_ref[safe, :]  # [bk, D] gather
+        kb = _gather(k_ref, safe, checked)  # [bk, D]
         s = osm.dot(q, kb, contract_b=1) * scale
-        vb = kb if kv_shared else v_ref[safe, :]
+        vb = kb if kv_shared else _gather(v_ref, safe, checked)
         vis = jnp.broadcast_to(ok[None, :], s.shape)
         return osm.update(state, s, vis, lambda p: osm.dot(p.astype(vb.dtype), vb))
 
@@ -92,7 +100,8 @@ def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation
         args.append(pad_cache(v))
         in_specs.append(cache_spec)
     interpret = interpret_arg(impl)
-    kernel = functools.partial(_kernel, block_k=block_k, n_picks=P_pad, kv_shared=v is None, scale=float(scale))
+    kernel = functools.partial(_kernel, block_k=block_k, n_picks=P_pad, kv_shared=v is None, scale=float(scale),
+                               checked=impl == "pallas_debug")
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, K, T),

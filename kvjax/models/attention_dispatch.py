@@ -1,0 +1,46 @@
+"""Attention through the kernel dispatcher: the model and VeriCache steps call `attention` (or a bound
+`make_attention_fn(...)`) instead of a fixed implementation.
+
+"xla" is exactly `kvjax.models.attention.attend` (the jnp definition the model was validated with); "pallas",
+"pallas_interpret" and "pallas_debug" run kernel 0 of `pallas_kernels` (position-masked attention, same masking rule);
+None picks "pallas" on a GPU backend and "xla" elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+import pallas_kernels
+from kvjax.models.attention import attend
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+              window: int | None = None, scale: float | None = None, implementation: str | None = None) -> jax.Array:
+    """Position-masked GQA attention with a choice of implementation.
+
+    Args:
+        q: [B, T, N, D] queries; k, v: [B, K, S, D]; q_pos: i32[B, T]; k_pos: i32[B, S] or i32[B, K, S] (-1 empty).
+        window: sliding window W or None; scale: default D ** -0.5.
+        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
+
+    Returns:
+        [B, T, N, D] in q's dtype.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
+    return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
+
+
+def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Array]:
+    """A callable with `attend`'s signature bound to one implementation (for `llama.forward(attention_fn=...)`).
+
+    The name is resolved now, so a typo fails here rather than inside a traced step.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return attend
+    return functools.partial(attention, implementation=impl)
