@@ -287,8 +287,7 @@ class PrefixCache:
         except CorruptEntry as err:
             with self.lock:
                 e = (blk.path if spec.kind == PATH else blk.snap)[spec.name]
-                self._drop(e, STORE, why="corrupt")
-                self.metrics.events["corrupt"] += 1
+                self._drop(e, STORE, why="corrupt")  # counts events["corrupt"]
                 self.metrics.misses[CAPACITY]["corrupt"] += self.P
             raise _Replan(f"corrupt ({err})") from None
 
