@@ -1,0 +1,119 @@
+"""One interface for lossy draft compressors: full cache of a prefilled prompt -> `DraftCache`.
+
+A compressor has a static budget (a compression ratio over the prompt's tokens, turned into a fixed slot count per
+prompt length, so one prompt length compiles once) and builds, for every full-attention layer, the compressed prompt
+parts of a `DraftLayer`. Sliding-window layers are never compressed: their draft keeps the last `W` prompt tokens
+exactly (they are already small). Each draft layer also gets an empty recent ring for the tokens decoded later.
+
+Positions stay the ORIGINAL absolute positions (no re-rotation; keys were rotated at their own positions when the
+full cache was written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.draft_forms import DraftCache, DraftLayer, RecentKV, SparseKV
+from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
+from kvjax.config import ModelConfig
+
+
+def round_up(n: int, m: int) -> int:
+    return int(math.ceil(n / m) * m)
+
+
+def gather_tokens(x: jax.Array, pos: jax.Array) -> jax.Array:
+    """x [B, K, S, D] at slots pos (i32[B, C] or [B, K, C], -1 -> zeros) -> [B, K, C, D]."""
+    B, K = x.shape[:2]
+    if pos.ndim == 2:
+        pos = jnp.broadcast_to(pos[:, None, :], (B, K, pos.shape[-1]))
+    g = jnp.take_along_axis(x, jnp.maximum(pos, 0)[..., None], axis=2)
+    return jnp.where((pos >= 0)[..., None], g, 0).astype(x.dtype)
+
+
+def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
+    """i32[B, sinks + recent] positions {0..sinks-1} U {L-recent..L-1} (StreamingLLM); all of 0..L-1 when short."""
+    C = sinks + recent
+    i = jnp.arange(C, dtype=jnp.int32)[None, :]
+    L = length[:, None]
+    short = jnp.where(i < L, i, -1)
+    long = jnp.where(i < sinks, i, L - recent + (i - sinks))
+    return jnp.where(L <= C, short, long).astype(jnp.int32)
+
+
+def protected_mask(length: jax.Array, S: int, sinks: int, recent: int) -> jax.Array:
+    """bool[B, S]: slot is a sink or among the last `recent` prompt tokens."""
+    s = jnp.arange(S)[None, :]
+    L = length[:, None]
+    return (s < jnp.minimum(sinks, L)) | ((s >= L - recent) & (s < L))
+
+
+def topk_positions(scores: jax.Array, length: jax.Array, budget: int, exclude: jax.Array | None = None) -> jax.Array:
+    """Per-head top-`budget` slots of scores f32[B, K, S] among slots < length[b] (and not `exclude` [B, S]).
+
+    Returns i32[B, K, budget] positions in ascending order, -1 where fewer slots were eligible.
+    """
+    B, K, S = scores.shape
+    ok = jnp.arange(S)[None, None, :] < length[:, None, None]
+    if exclude is not None:
+        ok &= ~exclude[:, None, :]
+    sc = jnp.where(ok, scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(sc, budget)
+    pos = jnp.where(jnp.isfinite(vals), idx, S + 1)
+    pos = jnp.sort(pos, axis=-1)  # ascending: neighbours stay together in memory
+    return jnp.where(pos > S, -1, pos).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    """Base: subclasses implement `layer_parts` for full-attention layers (and `prepare` for scoring).
+
+    Attributes:
+        ratio: full prompt tokens / kept tokens per head (e.g. 4.0 keeps a quarter); quantizers ignore it.
+        sinks: first tokens always kept in full precision.
+    """
+
+    ratio: float = 4.0
+    sinks: int = 4
+    name: str = dataclasses.field(default="base", init=False)
+
+    def budget(self, prompt_len: int) -> int:
+        """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32)."""
+        return max(32, round_up(prompt_len / self.ratio, 32))
+
+    def prepare(self, params, config: ModelConfig, full: ModelCache, prompt) -> dict:
+        """Per-prompt data shared by all layers (scores); default none."""
+        return {}
+
+    def layer_parts(self, i: int, form: DenseKV, length: jax.Array, prompt_len: int, data: dict) -> tuple:
+        raise NotImplementedError
+
+    def __call__(self, params, config: ModelConfig, full: ModelCache, prompt, *, recent_slots: int) -> DraftCache:
+        """Build the draft cache of a prefilled prompt.
+
+        Args:
+            full: the full cache right after prefill (length = prompt length, not donated here).
+            prompt: i32[T] the prompt token ids (scorers re-read it).
+            recent_slots: ring slots per layer for decoded tokens; sliding layers get at least W + recent_slots.
+        """
+        prompt_len = int(full.length[0])
+        data = self.prepare(params, config, full, prompt)
+        B = full.length.shape[0]
+        layers = []
+        for i, form in enumerate(full.layers):
+            K, D = form.k.shape[1], form.k.shape[3]
+            if isinstance(form, SwaWindow):
+                # copies: the draft cache is donated to the draft step, the full cache must survive it
+                parts = (SparseKV(k=jnp.array(form.k, copy=True), v=jnp.array(form.v, copy=True),
+                                  pos=form.slot_positions()),)
+                ring = RecentKV.empty(B, K, form.window + recent_slots, D, form.k.dtype)
+                layers.append(DraftLayer(parts=parts, recent=ring, window=form.window))
+            else:
+                parts = self.layer_parts(i, form, full.length, prompt_len, data)
+                ring = RecentKV.empty(B, K, recent_slots, D, form.k.dtype)
+                layers.append(DraftLayer(parts=tuple(parts), recent=ring, window=None))
+        return DraftCache(layers=tuple(layers), length=jnp.array(full.length, copy=True))  # own buffer: donated later

@@ -1,0 +1,71 @@
+"""Per-run decoding metrics: tokens/s, accepted tokens per round, verifications, bytes moved, peak device memory.
+
+Bytes are ACCOUNTED, not measured (the CPU has no device-memory counters): a draft step reads the weights and the
+whole draft cache once per drafted token, a verify pass reads the weights and the full cache's filled rows once, an
+offloaded verify moves the prompt's full KV host->device once. Peak device memory = what stays on the device
+(draft cache + resident full cache or decoded-token tail) + the transferred prompt KV during an offloaded verify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class RunMetrics:
+    name: str
+    params: object = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    emitted: int = 0
+    full_prompt_bytes: int = 0
+    draft_prompt_bytes: int = 0
+    draft_bytes: int = 0
+    h2d_bytes_per_verify: int = 0
+    device_resident_bytes: int = 0
+    device_peak_bytes: int = 0
+    rounds: list = dataclasses.field(default_factory=list)
+
+    @property
+    def param_bytes(self) -> int:
+        if self.params is None:
+            return 0
+        return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params)))
+
+    def add_round(self, **kw) -> None:
+        self.rounds.append(kw)
+
+    def summary(self) -> dict:
+        r = self.rounds
+        acc = np.asarray([x["accepted"] for x in r], np.int64)
+        xs = np.asarray([x["x"] for x in r], np.int64)
+        tok = max(self.emitted, 1)
+        hist = np.bincount(acc, minlength=int(xs.max()) + 1 if xs.size else 1).tolist() if acc.size else []
+        tot = lambda k: float(sum(x[k] for x in r))  # noqa: E731
+        return {
+            "name": self.name,
+            "emitted": self.emitted,
+            "tokens_per_s": self.emitted / self.decode_s if self.decode_s > 0 else float("nan"),
+            "decode_s": self.decode_s,
+            "prefill_and_compress_s": self.prefill_s,
+            "verifications": len(r),
+            "mean_accepted_per_round": float(acc.mean()) if acc.size else 0.0,
+            "mean_emitted_per_round": float(acc.mean() + 1) if acc.size else 0.0,
+            "accepted_histogram": hist,
+            "draft_lengths": np.bincount(xs).nonzero()[0].tolist() if xs.size else [],
+            "draft_s": tot("draft_s"), "verify_s": tot("verify_s"), "transfer_s": tot("transfer_s"),
+            "mean_draft_step_s": tot("draft_s") / max(len(r), 1),
+            "mean_verify_s": tot("verify_s") / max(len(r), 1),
+            "mean_transfer_s": tot("transfer_s") / max(len(r), 1),
+            "mean_x": float(xs.mean()) if xs.size else 0.0,
+            "device_read_bytes_per_token": (tot("draft_read_bytes") + tot("verify_read_bytes")) / tok,
+            "h2d_bytes_per_token": tot("h2d_bytes") / tok,
+            "draft_bytes_ratio": self.draft_prompt_bytes / max(self.full_prompt_bytes, 1),
+            "draft_bytes": self.draft_bytes,
+            "full_prompt_bytes": self.full_prompt_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
+            "device_resident_bytes": self.device_resident_bytes,
+        }
