@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
+from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow, init_cache
 from kvjax.cache.identity import digest
 from kvjax.config import SLIDING, ModelConfig
 
@@ -90,6 +90,15 @@ class FormSet(Protocol):
 
     def restore(self, cache, staged: dict[str, jax.Array], boundary: int):
         """A fresh cache with every form restored to `boundary` tokens (path forms staged [max_blocks, ...])."""
+
+    def new_cache(self, capacity: int):
+        """An empty batch-1 cache of the family (`init_cache`)."""
+
+    def prefill_chunk(self, params, cache, tokens: jax.Array, n_valid: jax.Array):
+        """The family's jitted prefill step: (logits f32[B, V] of each row's last real token, cache)."""
+
+    def greedy_decode(self, params, cache, first: jax.Array, *, num_steps: int):
+        """The family's plain greedy decode: (i32[B, num_steps], cache)."""
 
 
 def check_block_size(block_size: int, rates: tuple[int, ...] = (), capacities: tuple[int, ...] = ()) -> None:
@@ -178,9 +187,31 @@ class LlamaForms:
         return _restore(cache, staged.get("dense"), staged.get("swa"), jnp.asarray(boundary, jnp.int32),
                         full=self.full, sliding=self.sliding)
 
+    def new_cache(self, capacity: int) -> ModelCache:
+        return init_cache(self.config, 1, capacity, self.dtype)
 
-def forms_for(config, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> FormSet:
-    """The FormSet of a model config (Llama family; hybrid families register theirs in their own module)."""
+    def prefill_chunk(self, params, cache, tokens, n_valid):
+        from kvjax.decode import steps  # noqa: PLC0415 - steps imports the cache package
+
+        return steps.prefill_chunk(params, self.config, cache, tokens, n_valid)
+
+    def greedy_decode(self, params, cache, first, *, num_steps: int):
+        from kvjax.decode import steps  # noqa: PLC0415
+
+        return steps.greedy_decode(params, self.config, cache, first, num_steps=num_steps)
+
+
+def forms_for(config, dtype, block_size: int | None = None) -> FormSet:
+    """The FormSet of a model config: Llama family, or DeepSeek-V4 (`hybrid_layout.HybridForms`).
+
+    Args:
+        block_size: tokens per block `P`; default 64 for Llama, the smallest multiple of lcm(compression rates)
+            that is >= 64 for hybrid families.
+    """
     if isinstance(config, ModelConfig):
-        return LlamaForms(config, dtype, block_size)
+        return LlamaForms(config, dtype, block_size or DEFAULT_BLOCK_SIZE)
+    if getattr(config, "family", None) == "deepseek_v4":
+        from kvjax.cache.hybrid_layout import HybridForms  # noqa: PLC0415 - optional family
+
+        return HybridForms(config, dtype, block_size)
     raise NotImplementedError(f"no prefix-cache forms for config type {type(config).__name__}")

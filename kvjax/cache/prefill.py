@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import init_cache, pick_capacity
+from kvjax.cache.forms import pick_capacity
 from kvjax.cache.identity import Namespace, make_namespace, weights_fingerprint
 from kvjax.decode import steps
 
@@ -35,7 +35,7 @@ def model_namespace(model, prefix_cache, *, tenant_salt: str = "", adapter: str 
     if hit is None or hit[0] is not model.params:
         hit = _WEIGHTS_FP[key] = (model.params, weights_fingerprint(model.params))
     forms = prefix_cache.forms
-    return make_namespace(model.config, weights=hit[1], kv_dtype=np.dtype(forms.specs[0].dtype).name,
+    return make_namespace(model.config, weights=hit[1], kv_dtype=np.dtype(kv_dtype(model)).name,
                           formats={s.name: s.fingerprint for s in forms.specs}, block_size=forms.block_size,
                           tokenizer_rev=tokenizer_rev, template_rev=template_rev, adapter=adapter,
                           adapter_scale=adapter_scale, tenant_salt=tenant_salt)
@@ -66,7 +66,8 @@ def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespa
         raise ValueError(f"chunk={chunk} must be a multiple of the block size {P}")
     ns = namespace or model_namespace(model, prefix_cache)
     capacity = capacity or pick_capacity(T + 1)
-    cache = init_cache(model.config, 1, capacity, kv_dtype(model))
+    forms = prefix_cache.forms
+    cache = forms.new_cache(capacity)
     plan = prefix_cache.lookup(ns, prompt, prompt_logprobs=prompt_logprobs)
     try:
         cache, plan = prefix_cache.execute(plan, cache)
@@ -84,11 +85,11 @@ def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespa
             stop = min(end, start + chunk)
             buf = np.zeros((1, chunk), np.int32)
             buf[0, : stop - start] = prompt[start:stop]
-            logits, cache = steps.prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
+            logits, cache = forms.prefill_chunk(model.params, cache, jnp.asarray(buf),
                                                 jnp.asarray([stop - start], jnp.int32))
             start = stop
         if want_snap and end % P == 0 and end > b:
-            snaps[end] = prefix_cache.forms.snapshot(cache)
+            snaps[end] = forms.snapshot(cache)
     if insert and not prompt_logprobs:
         prefix_cache.insert(ns, prompt, cache, snaps, priority=priority)
     return logits[0], cache, plan
@@ -110,7 +111,7 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
     first = jnp.argmax(last).astype(jnp.int32)[None]
     toks = [int(first[0])]
     if max_new_tokens > 1:
-        rest, cache = steps.greedy_decode(model.params, model.config, cache, first, num_steps=max_new_tokens - 1)
+        rest, cache = prefix_cache.forms.greedy_decode(model.params, cache, first, num_steps=max_new_tokens - 1)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)
     if stop_at_eos and model.config.eos_token_ids:

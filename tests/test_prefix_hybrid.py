@@ -1,0 +1,78 @@
+"""Prefix cache on the DeepSeek-V4 hybrid (sliding / CSA / HCA, indexer): hits equal a cold run around every block
+and compression boundary, and all four stored forms are restored at the common boundary."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_deepseek_v4_models import make_v4
+
+import kvjax
+from kvjax.cache.identity import make_namespace
+from kvjax.cache.layout import forms_for
+from kvjax.cache.manager import PrefixCache
+from kvjax.cache.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
+
+P, CHUNK = 8, 16  # m = 4, m' = 8: P = lcm
+
+
+@pytest.fixture(scope="module")
+def v4():
+    _, d = make_v4("hybrid")
+    return kvjax.load(d)
+
+
+def new_cache(model, **kw):
+    return PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 22, host_bytes=1 << 22, **kw)
+
+
+def test_forms_and_block_size(v4):
+    forms = forms_for(v4.config, np.float32)
+    assert forms.block_size % 8 == 0 and forms.block_size >= 64
+    assert [s.name for s in forms.specs] == ["compressed", "indexer", "swa", "tail"]
+    with pytest.raises(ValueError, match="lcm"):
+        forms_for(v4.config, np.float32, 12)
+
+
+def test_hit_equals_cold_around_block_and_compression_boundaries(v4):
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 97, 48).astype(np.int32)
+    pc = new_cache(v4)
+    prefill_with_prefix_cache(v4, base, pc, capacity=256, chunk=CHUNK)
+    for shared in [3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 48]:
+        tail = rng.integers(0, 97, max(1, 52 - shared))
+        if shared < base.size:
+            tail[0] = (base[shared] + 1) % 97
+        prompt = np.concatenate([base[:shared], tail]).astype(np.int32)
+        got, _, plan = prefill_with_prefix_cache(v4, prompt, pc, capacity=256, chunk=CHUNK)
+        want = kvjax.logits(v4, prompt)[-1]
+        np.testing.assert_allclose(np.asarray(got), want, atol=5e-5, rtol=0, err_msg=f"shared={shared}")
+        assert plan.boundary % P == 0 and plan.boundary <= (shared // P) * P
+        if plan.boundary:
+            assert all(plan.forms[f].used for f in ("compressed", "indexer", "swa", "tail")), plan.summary()
+    assert pc.stats()["hit_tokens"] > 0
+
+
+def test_generate_parity_with_host_tier(v4):
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 97, 40)
+    pc = PrefixCache(forms_for(v4.config, np.float32, P), device_bytes=0, host_bytes=1 << 22)
+    for q in range(2):
+        prompt = np.concatenate([system, rng.integers(0, 97, 7 + 3 * q)])
+        got, plan = generate_with_prefix_cache(v4, prompt, 6, pc, return_plan=True)
+        np.testing.assert_array_equal(got, kvjax.generate(v4, prompt, 6))
+        pc.flush()
+    assert plan.boundary == 40 and plan.forms["compressed"].used == {"host": 5}
+
+
+def test_compression_rate_change_misses(v4):
+    pc = new_cache(v4)
+    prompt = np.arange(30, dtype=np.int32)
+    prefill_with_prefix_cache(v4, prompt, pc, capacity=256, chunk=CHUNK)
+    ns = model_namespace(v4, pc)
+    other = dataclasses.replace(v4.config, hca_rate=16)
+    ns2 = make_namespace(other, weights=ns.semantic["weights"], kv_dtype="float32",
+                         formats=ns.representation["formats"], block_size=P)
+    plan = pc.lookup(ns2, prompt)
+    plan.lease.release()
+    assert plan.boundary == 0 and "semantic.kv_fields" in plan.reasons()[0]
