@@ -63,7 +63,7 @@ def topk_positions(scores: jax.Array, length: jax.Array, budget: int, exclude: j
         ok &= ~exclude[:, None, :]
     sc = jnp.where(ok, scores, -jnp.inf)
     vals, idx = jax.lax.top_k(sc, budget)
-    pos = jnp.where(jnp.isfinite(vals), idx, S + 1)
+    pos = jnp.where(vals > -jnp.inf, idx, S + 1)  # protected slots score +inf and are kept
     pos = jnp.sort(pos, axis=-1)  # ascending: neighbours stay together in memory
     return jnp.where(pos > S, -1, pos).astype(jnp.int32)
 
