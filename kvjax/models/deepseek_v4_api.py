@@ -22,6 +22,7 @@ from kvjax.models.deepseek_v4_weights import params_from_tensors
 from kvjax.weights import read_safetensors
 
 DEFAULT_CHUNK = 256
+SHORT_CHUNK = 64  # prompts up to this long run as one chunk of this width (one compiled shape for all of them)
 
 
 def load(path: str | os.PathLike, hf_config: dict, *, dtype: str = "f32"):
@@ -81,7 +82,8 @@ def prefill(params, config: DeepseekV4Config, cache: HybridCache, ids: np.ndarra
     if ids.size + int(cache.length[0]) > cache.capacity:
         raise ValueError(f"{ids.size} tokens do not fit the cache ({cache.capacity} tokens, "
                          f"{int(cache.length[0])} used)")
-    chunk = min(chunk, max(8, 1 << int(np.ceil(np.log2(ids.size)))))
+    if ids.size <= SHORT_CHUNK:
+        chunk = min(chunk, SHORT_CHUNK)
     out = []
     for s in range(0, ids.size, chunk):
         part = ids[s:s + chunk]
