@@ -1,0 +1,48 @@
+"""Cache forms: masked writes, ring semantics, padding never corrupts state."""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from kvjax.cache.forms import DenseKV, SwaWindow
+
+
+def _kv(B, T, K=2, D=4, base=0):
+    x = (base + jnp.arange(B * T, dtype=jnp.float32)).reshape(B, T, 1, 1)
+    return jnp.broadcast_to(x, (B, T, K, D))
+
+
+@settings(max_examples=40, deadline=None)
+@given(W=st.integers(1, 9), chunks=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=1,
+                                            max_size=6))
+def test_ring_holds_exactly_the_last_window(W, chunks):
+    ring = SwaWindow(k=jnp.zeros((1, 2, W, 4)), v=jnp.zeros((1, 2, W, 4)), seen=jnp.zeros((1,), jnp.int32), window=W)
+    written = []
+    for T, n in chunks:
+        n = min(n, T)
+        vals = _kv(1, T, base=len(written) * 1000.0 + 7)
+        ring = ring.write(vals, vals, jnp.asarray([n], jnp.int32))
+        written += [float(vals[0, t, 0, 0]) for t in range(n)]
+    assert int(ring.seen[0]) == len(written)
+    pos = np.asarray(ring.slot_positions()[0])
+    for j in range(W):
+        if pos[j] < 0:
+            assert len(written) <= j or len(written) < W
+            continue
+        assert pos[j] % W == j and len(written) - W <= pos[j] < len(written)
+        assert float(ring.k[0, 0, j, 0]) == written[pos[j]]
+
+
+def test_dense_write_drops_padding_and_respects_lengths():
+    z = jnp.zeros((2, 2, 8, 4))
+    c = DenseKV(k=z, v=z, length=jnp.asarray([0, 5], jnp.int32))
+    new = _kv(2, 4, base=1)
+    c2 = c.write(new, new, jnp.asarray([4, 2], jnp.int32))
+    assert list(np.asarray(c2.length)) == [4, 7]
+    np.testing.assert_array_equal(np.asarray(c2.k[0, 0, :4, 0]), [1, 2, 3, 4])
+    np.testing.assert_array_equal(np.asarray(c2.k[1, 0, 5:7, 0]), [5, 6])
+    assert float(c2.k[1, 0, 7, 0]) == 0.0  # padding row 2 of batch 1 dropped
+    # writes past capacity are dropped, never clamped onto valid slots
+    c3 = DenseKV(k=z, v=z, length=jnp.asarray([7, 7], jnp.int32)).write(new, new, jnp.asarray([4, 4], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(c3.k[0, 0, :7, 0]), np.zeros(7))
+    assert list(np.asarray(c2.key_positions()[1])) == [0, 1, 2, 3, 4, 5, 6, -1]
