@@ -66,6 +66,9 @@ class CompressedKV:
     entries: jax.Array  # [B, C, D] entry w pools source positions [w*rate, (w+1)*rate)
     count: jax.Array  # i32[B] entries written
     rate: int = dataclasses.field(metadata=dict(static=True))
+    # bool[B, C] entries a lossy *draft* copy still holds (None = all: the exact full cache). Dropped entries are
+    # invisible to attention and to the indexer; entries written later are kept.
+    keep: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -76,8 +79,17 @@ class CompressedKV:
         """Write `new [B, J, D]` at entry indices `index i32[B, J]` where `ok bool[B, J]` (others are dropped)."""
         B, C = new.shape[0], self.entries.shape[1]
         slot = jnp.where(ok, index, C)
-        entries = self.entries.at[jnp.arange(B)[:, None], slot].set(new.astype(self.entries.dtype), mode="drop")
-        return dataclasses.replace(self, entries=entries, count=self.count + jnp.sum(ok, axis=1, dtype=jnp.int32))
+        b = jnp.arange(B)[:, None]
+        entries = self.entries.at[b, slot].set(new.astype(self.entries.dtype), mode="drop")
+        keep = None if self.keep is None else self.keep.at[b, slot].set(True, mode="drop")
+        return dataclasses.replace(self, entries=entries, count=self.count + jnp.sum(ok, axis=1, dtype=jnp.int32),
+                                   keep=keep)
+
+    def visible(self) -> jax.Array:
+        """bool[B, C]: entries present in this copy (all slots for the full cache; causality is the caller's)."""
+        if self.keep is None:
+            return jnp.ones(self.entries.shape[:2], bool)
+        return self.keep
 
 
 @jax.tree_util.register_dataclass

@@ -63,9 +63,11 @@ def _compress(p: Params, config: DeepseekV4Config, comp: CompressedKV, tail: Tai
     return comp.write(pooled, index, ok), tail
 
 
-def _indexer(p: Params, config: DeepseekV4Config, state: IndexerState, h, q_res, positions, n_valid):
+def _indexer(p: Params, config: DeepseekV4Config, state: IndexerState, h, q_res, positions, n_valid,
+             present: jax.Array | None = None):
     """Lightning indexer: score `sum_h w_h relu(q_h . k)` over its compressed keys, keep the top-k complete ones.
 
+    `present` bool[B, C] marks the main compressed entries a draft copy still holds (None: all).
     Returns (new IndexerState, idx i32[B, T, k], ok bool[B, T, k]).
     """
     B, T, _ = h.shape
@@ -79,6 +81,9 @@ def _indexer(p: Params, config: DeepseekV4Config, state: IndexerState, h, q_res,
     score = jnp.einsum("BTHC,BTH->BTC", s, w)
     C = keys.entries.shape[1]
     valid = jnp.arange(C)[None, None, :] < ((positions + 1) // m)[:, :, None]
+    if keys.keep is not None or present is not None:  # a draft copy: choose among the entries it still holds
+        held = keys.visible() if present is None else keys.visible() & present
+        valid = valid & held[:, None, :]
     score = jnp.where(valid, score, -jnp.inf)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(score), min(config.index_topk, C))
     ok = jnp.take_along_axis(valid, idx, axis=-1)
@@ -110,13 +115,15 @@ def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState
         comp, tail = _compress(p["compressor"], config, state.compressed, state.tail, h, n_valid)
         ready = (positions + 1) // m  # entries whose window ended at or before each query
         if kind == CSA:
-            indexer, idx, q_mask = _indexer(p["indexer"], config, state.indexer, h, q_res, positions, n_valid)
+            present = None if comp.keep is None else comp.keep
+            indexer, idx, q_mask = _indexer(p["indexer"], config, state.indexer, h, q_res, positions, n_valid, present)
             q_keys = jnp.take_along_axis(comp.entries.astype(kv.dtype)[:, None], idx[..., None], axis=2)
             new = LayerState(window=new.window, compressed=comp, tail=tail, indexer=indexer)
         else:
             C = comp.entries.shape[1]
             keys = jnp.concatenate([keys, comp.entries.astype(kv.dtype)], axis=1)
-            mask = jnp.concatenate([mask, jnp.arange(C)[None, None, :] < ready[:, :, None]], axis=2)
+            seen = (jnp.arange(C)[None, None, :] < ready[:, :, None]) & comp.visible()[:, None, :]
+            mask = jnp.concatenate([mask, seen], axis=2)
             new = LayerState(window=new.window, compressed=comp, tail=tail)
     out = sink_attention(q, keys, mask, p["sinks"], D**-0.5, q_keys, q_mask)
     # K = V carries rope on its trailing slice: rotate the output back by the query position
