@@ -26,6 +26,9 @@ def dot(a: jax.Array, b: jax.Array, contract_b: int = 0) -> jax.Array:
     f32 operands ask for HIGHEST precision so the Triton backend does not silently use TF32 (which would break parity
     with the f32 reference at 1e-5); bf16 operands use the native bf16 MMA with f32 accumulation.
     """
+    if a.dtype != b.dtype:  # e.g. f32 queries over a bf16 cache: compute in the wider type
+        dt = jnp.promote_types(a.dtype, b.dtype)
+        a, b = a.astype(dt), b.astype(dt)
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)

@@ -220,6 +220,18 @@ class TestPallasGpu(KernelCases):
     IMPLEMENTATION = "pallas"
 
 
+def test_decode_step_compiles_once_and_mixed_dtypes():
+    """Lengths are arrays: a decode step at any length reuses one compilation. f32 queries over a bf16 cache work."""
+    rng = np.random.default_rng(81)
+    q, k = rand(rng, (1, 1, 4, D)), rand(rng, (1, K, 64, D), "bfloat16")
+    step = jax.jit(functools.partial(pk.decode_attention, implementation="pallas_interpret", block_k=16,
+                                     num_splits=2))
+    for n in (3, 40, 64):
+        lengths = jnp.asarray([n], jnp.int32)
+        close(step(q, k, k, lengths), ref.decode_reference(q, k, k, lengths), "bfloat16")  # p rounded to bf16
+    assert step._cache_size() == 1
+
+
 # -- the references themselves -------------------------------------------------------------------------------------
 def test_attend_reference_is_kvjax_attend():
     from kvjax.models.attention import attend
