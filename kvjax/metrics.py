@@ -18,7 +18,7 @@ import numpy as np
 class RunMetrics:
     name: str
     params: object = None
-    prefill_s: float = 0.0
+    compress_s: float = 0.0
     decode_s: float = 0.0
     emitted: int = 0
     full_prompt_bytes: int = 0
@@ -50,7 +50,7 @@ class RunMetrics:
             "emitted": self.emitted,
             "tokens_per_s": self.emitted / self.decode_s if self.decode_s > 0 else float("nan"),
             "decode_s": self.decode_s,
-            "prefill_and_compress_s": self.prefill_s,
+            "compress_s": self.compress_s,
             "verifications": len(r),
             "mean_accepted_per_round": float(acc.mean()) if acc.size else 0.0,
             "mean_emitted_per_round": float(acc.mean() + 1) if acc.size else 0.0,

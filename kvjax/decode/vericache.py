@@ -78,26 +78,47 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor: st
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if rejection and temperature <= 0:
         raise ValueError("rejection sampling needs temperature > 0")
-    params, config = model.params, model.config
+    config = model.config
     comp = make_compressor(compressor, **(compressor_kw or {})) if isinstance(compressor, str) else compressor
     xs = tuple(sorted(adaptive)) if adaptive else (draft_len,)
     if draft_len not in xs:
         raise ValueError(f"draft_len {draft_len} is not in the adaptive set {xs}")
     for x in xs:
         draft_steps.check_draft_len(config, x)
+    full, first = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1], temperature=temperature,
+                              seed=seed)
+    return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
+                         offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
+                         recent_slots=recent_slots, progress=progress)
+
+
+def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0):
+    """Prefilled full cache (capacity as `generate_vericache` uses) and the first token: (cache, first i32[1])."""
+    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
+    full = init_cache(model.config, 1, capacity_for(prompt.size, max_new_tokens, max_draft), _dtype(model))
+    logits, full = steps.prefill(model.params, model.config, full, prompt)
+    return full, _first_token(logits, prompt.size, jnp.asarray([seed], jnp.int32), temperature)
+
+
+def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
+                  offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
+                  adaptive: tuple | None = None, recent_slots: int = 256, progress=None):
+    """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
+
+    Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
+    """
+    params, config = model.params, model.config
+    comp = make_compressor(compressor) if isinstance(compressor, str) else compressor
+    xs = tuple(sorted(adaptive)) if adaptive else (draft_len,)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
     xmax = xs[-1]
     seed_a = jnp.asarray([seed], jnp.int32)
     met = RunMetrics(name=f"vericache[{comp.name}]", params=params)
-
     t0 = time.perf_counter()
-    full = init_cache(config, 1, capacity_for(P, max_new_tokens, xmax), _dtype(model))
-    logits, full = steps.prefill(params, config, full, prompt)
-    first = _first_token(logits, P, seed_a, temperature)
     dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
     jax.block_until_ready(dcache)
-    met.prefill_s = time.perf_counter() - t0
+    met.compress_s = time.perf_counter() - t0
     met.full_prompt_bytes = offl.nbytes([(l.k, l.v) for l in full.layers])
     met.draft_prompt_bytes = dcache.prompt_nbytes()
     met.draft_bytes = dcache.nbytes()
@@ -125,7 +146,6 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor: st
     out = [int(first[0])]
     last = first
     x = draft_len
-    qdummy = None
     t_start = time.perf_counter()
     while len(out) < max_new_tokens:
         ta = time.perf_counter()
@@ -162,7 +182,6 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor: st
     met.decode_s = time.perf_counter() - t_start
     toks = np.asarray(out[:max_new_tokens], np.int32)
     met.emitted = int(toks.size)
-    del qdummy
     return toks, met.summary()
 
 

@@ -1,0 +1,281 @@
+"""Benchmark: full-cache decoding vs lossy draft-cache decoding vs VeriCache (resident and offloaded), one run.
+
+For each held-out long prompt the full cache is prefilled ONCE and copied for every contender; timings cover decoding
+only (compression is reported apart). Contenders:
+  - full:        `steps.greedy_decode` (plain one-token lax loop, the fastest full-cache decoder);
+  - reference:   kvjax's verify-shape full-cache decoder (the exactness reference; timed too);
+  - lossy[c]:    greedy decoding from draft cache c alone (one `draft_step` call of M-1 tokens);
+  - vc[c]:       VeriCache with draft cache c, x = --draft-len, resident full cache;
+  - vc[c]+off:   the same with the prompt's full KV in pinned host memory;
+  - magicdec:    StreamingLLM drafter, resident, short draft (x = 4) — MagicDec-style;
+  - quantspec:   4-bit KIVI drafter, resident, x = 8 — QuantSpec-style;
+  - vc-adaptive: adaptive x over (8, 16, 32).
+Writes JSON (one record per contender: name, tokens_per_s, speedup_vs_full, identical_fraction,
+mean_accepted_per_round, draft_bytes_ratio, ...), prints a table, the ideal speedup predicted from measured
+per-phase costs and acceptance, and draws a PNG.
+
+Usage: python scripts/bench_vericache.py --context 32768 --new-tokens 256 --prompts 50 --json out.json
+       (--random uses a randomly initialised model of the checkpoint's shape when no trained checkpoint exists)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvjax.compress import make_compressor  # noqa: E402
+from kvjax.decode import draft_steps, steps  # noqa: E402
+from kvjax.decode import vericache as vc  # noqa: E402
+
+COMPRESSORS = {
+    "streaming": dict(ratio=4.0),
+    "snapkv": dict(ratio=4.0, obs_window=32),
+    "kvzip": dict(ratio=4.0, chunk=2048),
+    "kivi4": dict(residual=128),
+    "kivi2": dict(residual=128),
+    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=2048),
+}
+
+
+def load_model(args):
+    from kvjax import api
+    from kvjax.config import FULL, ModelConfig, RopeConfig
+    from kvjax.models import llama
+
+    if not args.random:
+        return api.load(args.checkpoint)
+    tok = None
+    if os.path.exists(os.path.join(args.checkpoint, "tokenizer.json")):
+        from kvjax.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(args.checkpoint)
+    V = tok.vocab_size if tok is not None else 4096
+    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
+                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
+                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
+    params = llama.init_params(cfg, jax.random.key(0))
+    return api.Model(config=cfg, params=params, tokenizer=tok, path=None, dtype="f32")
+
+
+def get_prompts(model, n_tokens: int, count: int, seed: int):
+    if model.tokenizer is not None:
+        try:
+            from kvjax.data import corpus
+
+            ps = corpus.long_prompts(model.tokenizer, n_tokens, count, seed)
+            return [np.asarray(p, np.int32)[:n_tokens] for p in ps], "heldout corpus"
+        except Exception as e:  # noqa: BLE001 - fall back loudly
+            print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
+
+
+def copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def lossy_decode(model, full, first, prompt, M, comp):
+    """Greedy decoding from the draft cache alone; returns (tokens, decode seconds, draft bytes ratio)."""
+    dc = comp(model.params, model.config, full, prompt, recent_slots=M + 1)
+    jax.block_until_ready(dc)
+    t = time.perf_counter()
+    toks, _, _ = draft_steps.draft_step(model.params, model.config, dc, first, jnp.zeros((1,), jnp.int32), x=M - 1)
+    toks = np.asarray(toks[0])
+    return np.concatenate([np.asarray(first), toks]), time.perf_counter() - t
+
+
+def plain_full(model, full, first, M):
+    t = time.perf_counter()
+    rest, _ = steps.greedy_decode(model.params, model.config, full, first, num_steps=M - 1)
+    rest = np.asarray(rest[0])
+    return np.concatenate([np.asarray(first), rest]), time.perf_counter() - t
+
+
+def reference(model, full, first, M, x):
+    seed = jnp.zeros((1,), jnp.int32)
+    tok, out, margins = first, [int(first[0])], []
+    t = time.perf_counter()
+    for _ in range(M - 1):
+        tok, m, full = draft_steps.reference_step(model.params, model.config, full, tok, seed, x=x)
+        out.append(int(tok[0]))
+        margins.append(float(m[0]))
+    return np.asarray(out, np.int32), time.perf_counter() - t, np.asarray(margins)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--random", action="store_true", help="random model of the checkpoint's shape")
+    ap.add_argument("--context", type=int, default=32768, help="cache bucket; prompts fill it minus new tokens")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--draft-len", type=int, default=32)
+    ap.add_argument("--compressors", default="streaming,snapkv,kvzip,kivi4,kivi2,dropquant")
+    ap.add_argument("--offload", default="kvzip", help="compressors also run offloaded (comma list, or 'none')")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the MagicDec/QuantSpec/adaptive configs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_vericache.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
+    args = ap.parse_args(argv)
+
+    model = load_model(args)
+    M, x = args.new_tokens, args.draft_len
+    xs_adapt = (8, 16, 32)
+    xmax = max(x, *xs_adapt, 8)
+    P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
+    prompts, source = get_prompts(model, P, args.prompts, args.seed)
+    names = [c for c in args.compressors.split(",") if c]
+    off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
+    comps = {c: make_compressor(c, **COMPRESSORS[c]) for c in names}
+    print(f"[bench] prompts: {len(prompts)} x {P} tokens ({source}); new tokens {M}; x = {x}; "
+          f"capacity {vc.capacity_for(P, M, xmax)}; devices {jax.devices()}")
+
+    contenders = [("full", None), ("reference", None)]
+    contenders += [(f"lossy[{c}]", c) for c in names]
+    contenders += [(f"vc[{c}]", c) for c in names]
+    contenders += [(f"vc[{c}]+offload", c) for c in off]
+    if not args.no_baselines:
+        contenders += [("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"),
+                       (f"vc-adaptive[{names[0]}]", names[0])]
+    acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[]) for n, _ in contenders}
+    plain_agree, plain_margins = [], []
+
+    for pi, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        full, first = vc.prefill_for(model, prompt, M, max_draft=xmax)
+        jax.block_until_ready(full)
+        t_prefill = time.perf_counter() - t0
+        warm = pi == 0  # the first prompt also compiles: run it twice, time the second
+        for _ in range(2 if warm else 1):
+            ref, t_ref, margins = reference(model, copy(full), first, M, x)
+        acc["reference"]["time"] += t_ref
+        acc["reference"]["tokens"] += M
+        results = {}
+        for name, c in contenders:
+            if name == "reference":
+                continue
+            for _ in range(2 if warm else 1):
+                if name == "full":
+                    toks, dt = plain_full(model, copy(full), first, M)
+                    st = {}
+                elif name.startswith("lossy"):
+                    toks, dt = lossy_decode(model, copy(full), first, prompt, M, comps[c])
+                    st = {}
+                else:
+                    kw = dict(compressor=comps[c], draft_len=x, offload=name.endswith("+offload"))
+                    if name.startswith("magicdec"):
+                        kw["draft_len"] = 4
+                    elif name.startswith("quantspec"):
+                        kw["draft_len"] = 8
+                    elif name.startswith("vc-adaptive"):
+                        kw.update(draft_len=16, adaptive=xs_adapt)
+                    toks, st = vc.run_vericache(model, copy(full), first, prompt, M, **kw)
+                    dt = st["decode_s"]
+            results[name] = toks
+            a = acc[name]
+            a["time"] += dt
+            a["tokens"] += M
+            same = toks == ref
+            a["identical"] += int(same.all())
+            a["match"] += float(same.mean())
+            a["first_div"].append(int(np.argmin(same)) if not same.all() else M)
+            if st:
+                a["stats"].append(st)
+        agree = results["full"] == ref
+        plain_agree.append(float(agree.mean()))
+        if not agree.all():
+            j = int(np.argmin(agree))
+            plain_margins.append(float(margins[j - 1]) if j > 0 else float("nan"))
+        del full
+        print(f"[bench] prompt {pi + 1}/{len(prompts)} prefill {t_prefill:.2f}s; "
+              + " ".join(f"{n}={'ok' if np.array_equal(results[n], ref) else 'DIFF'}" for n in results
+                         if n.startswith("vc") or n.startswith("magic") or n.startswith("quant")), flush=True)
+
+    records = []
+    full_tps = acc["full"]["tokens"] / acc["full"]["time"]
+    n_p = len(prompts)
+    for name, c in contenders:
+        a = acc[name]
+        tps = a["tokens"] / a["time"]
+        rec = dict(name=name, tokens_per_s=tps, speedup_vs_full=tps / full_tps, identical_fraction=a["identical"] / n_p,
+                   token_match_fraction=a["match"] / n_p if name != "reference" else 1.0,
+                   mean_first_divergence=float(np.mean(a["first_div"])) if a["first_div"] else float(M),
+                   mean_accepted_per_round=None, draft_bytes_ratio=None)
+        if a["stats"]:
+            S = a["stats"]
+            mean = lambda k: float(np.mean([s[k] for s in S]))  # noqa: E731
+            rec.update(mean_accepted_per_round=mean("mean_accepted_per_round"),
+                       draft_bytes_ratio=mean("draft_bytes_ratio"), verifications=mean("verifications"),
+                       mean_draft_round_s=mean("mean_draft_step_s"), mean_verify_s=mean("mean_verify_s"),
+                       mean_transfer_s=mean("mean_transfer_s"), mean_x=mean("mean_x"),
+                       compress_s=mean("compress_s"), device_read_bytes_per_token=mean("device_read_bytes_per_token"),
+                       h2d_bytes_per_token=mean("h2d_bytes_per_token"), device_peak_bytes=mean("device_peak_bytes"),
+                       accepted_histogram=np.sum([np.pad(s["accepted_histogram"], (0, 64 - len(s["accepted_histogram"])))
+                                                  for s in S], axis=0).tolist())
+            # ideal: per-phase costs and acceptance alone, no host overhead: emitted per round / round time
+            t_round = rec["mean_draft_round_s"] + rec["mean_verify_s"] + rec["mean_transfer_s"]
+            ideal_tps = (rec["mean_accepted_per_round"] + 1) / t_round
+            rec["ideal_speedup"] = ideal_tps / full_tps
+            rec["achieved_fraction_of_ideal"] = rec["speedup_vs_full"] / rec["ideal_speedup"]
+        elif name.startswith("lossy"):
+            rec["draft_bytes_ratio"] = None
+        records.append(rec)
+
+    out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
+                           prompt_source=source, model=args.checkpoint if not args.random else "random-init",
+                           full_ms_per_token=1000 / full_tps),
+               plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
+                                       margins_at_first_disagreement=plain_margins),
+               records=records)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    hdr = f"{'contender':28s} {'tok/s':>8s} {'speedup':>8s} {'ident':>6s} {'match':>6s} {'acc/rd':>7s} " \
+          f"{'bytes':>6s} {'ideal':>6s} {'achv':>5s}  per-round draft/verify/transfer ms"
+    print(hdr)
+    for r in records:
+        f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
+        phases = ""
+        if r.get("mean_verify_s") is not None:
+            phases = f"{1e3 * r['mean_draft_round_s']:.1f}/{1e3 * r['mean_verify_s']:.1f}/" \
+                     f"{1e3 * r['mean_transfer_s']:.1f}"
+        print(f"{r['name']:28s} {r['tokens_per_s']:8.1f} {r['speedup_vs_full']:8.2f} {r['identical_fraction']:6.2f} "
+              f"{r['token_match_fraction']:6.3f} {f(r['mean_accepted_per_round'], '%7.2f'):>7s} "
+              f"{f(r['draft_bytes_ratio'], '%6.3f'):>6s} {f(r.get('ideal_speedup'), '%6.2f'):>6s} "
+              f"{f(r.get('achieved_fraction_of_ideal'), '%5.2f'):>5s}  {phases}")
+    print(f"[bench] plain one-token decoding agrees with the reference on {100 * np.mean(plain_agree):.2f}% of "
+          f"tokens; margins at first disagreements: {plain_margins}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        names_ = [r["name"] for r in records]
+        colors = ["tab:gray" if n in ("full", "reference") else "tab:red" if n.startswith("lossy") else "tab:blue"
+                  for n in names_]
+        ax.bar(range(len(records)), [r["speedup_vs_full"] for r in records], color=colors)
+        for i, r in enumerate(records):
+            ax.text(i, r["speedup_vs_full"], f"{r['identical_fraction']:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(records)), names_, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s vs full cache (label: identical fraction)")
+        ax.set_title(f"VeriCache, {P}-token prompts, {M} new tokens, x={x}")
+        fig.tight_layout()
+        png = args.plot or os.path.splitext(args.json)[0] + ".png"
+        fig.savefig(png, dpi=120)
+        print(f"[bench] wrote {args.json} and {png}")
+    except ImportError:
+        print(f"[bench] wrote {args.json} (matplotlib missing: no plot)")
+
+
+if __name__ == "__main__":
+    main()
