@@ -11,7 +11,7 @@ import kvjax
 from kvjax.cache.forms import init_cache
 from kvjax.models import llama
 from kvjax.models.attention import attend
-from kvjax.models.attention_dispatch import attention, make_attention_fn
+from kvjax.models.attention_dispatch import attention, attention_parts, make_attention_fn
 from tests.hf_models import make_hf_model
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
@@ -54,4 +54,21 @@ def test_dispatch_pallas_equals_xla_on_windowed_ring_inputs():
     q_pos = jnp.asarray([[32, 33, 34]], jnp.int32)
     want = attention(q, k, v, q_pos, k_pos, window=16, implementation="xla")
     got = attention(q, k, v, q_pos, k_pos, window=16, implementation="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_attention_parts_equals_one_cache(implementation):
+    """Two parts (compressed prompt with per-head positions + a recent ring) == attend over their concatenation."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(2, 2, 4, 16)), jnp.float32)
+    k1, v1 = (jnp.asarray(rng.normal(size=(2, 2, 24, 16)), jnp.float32) for _ in range(2))
+    k2, v2 = (jnp.asarray(rng.normal(size=(2, 2, 8, 16)), jnp.float32) for _ in range(2))
+    p1 = jnp.asarray(np.sort([[rng.choice(60, 24, replace=False) for _ in range(2)] for _ in range(2)]), jnp.int32)
+    p2 = jnp.broadcast_to(jnp.arange(60, 68, dtype=jnp.int32), (2, 8)).at[1, 6:].set(-1)
+    q_pos = jnp.asarray([[66, 67], [64, 65]], jnp.int32)
+    got = attention_parts(q, [(k1, v1, p1), (k2, v2, p2)], q_pos, window=30, implementation=implementation)
+    p2h = jnp.broadcast_to(p2[:, None], (2, 2, 8))
+    want = attend(q, jnp.concatenate([k1, k2], 2), jnp.concatenate([v1, v2], 2), q_pos,
+                  jnp.concatenate([p1, p2h], 2), window=30)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

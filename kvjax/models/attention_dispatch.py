@@ -12,6 +12,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 import pallas_kernels
 from kvjax.models.attention import attend
@@ -33,6 +34,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     if impl == "xla":
         return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
     return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
+
+
+def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None = None, scale: float | None = None,
+                    implementation: str | None = None) -> jax.Array:
+    """Attention over a cache held in several parts (e.g. a draft cache's compressed prompt + its recent ring, or a
+    quantized bulk + full-precision recent tokens) as if they were one, without concatenating them.
+
+    Each part yields an un-normalised `(o, m, l)` (kernel 0 with `return_stats=True`); `pallas_kernels.combine`
+    merges them and `finalize` normalises: the same arithmetic as split-K.
+
+    Args:
+        q: [B, T, N, D]; parts: sequence of (k [B, K, S_i, D], v [B, K, S_i, D], pos i32[B, S_i] or [B, K, S_i]);
+        q_pos: i32[B, T]; window, scale, implementation: as `attention`.
+
+    Returns:
+        [B, T, N, D] in q's dtype.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    stats = [pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
+                                   return_stats=True) for k, v, pos in parts]
+    o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
+    return pallas_kernels.finalize(o, m, l).astype(q.dtype)
 
 
 def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Array]:
