@@ -55,7 +55,7 @@ def _kernel(qpos_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kpo
             v_planes.append(((vc >> shift) & mask).astype(jnp.float32) * vs + vz)
         return osm.update(state, s * scale, vis, lambda p: tuple(osm.dot(p, vj) for vj in v_planes))
 
-    def body(i, state):
+    def body(i, state):  # i: the group index within this program's split
         start = pl.multiple_of(i * group, group)
         vis = visible(qp, kpos_ref[pl.ds(start, group)], window)
         any_vis = jnp.max(vis.astype(jnp.int32)) > 0
@@ -71,7 +71,7 @@ def _kernel(qpos_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kpo
 
 
 def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_pos, q_pos, *, bits, group=32,
-                        window=None, scale=None, sinks=None, implementation=None, return_stats=False):
+                        window=None, scale=None, sinks=None, implementation=None, return_stats=False, num_splits=4):
     """Attention over the quantized draft cache (format: `quant_format.py`).
 
     Args:
@@ -80,6 +80,7 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
             v_scale, v_zero: f32[B, K, S, 1]; k_pos: i32[B, S] position per slot (-1 empty).
         bits: 2 or 4; group: key group G (a power of two >= 16 for the Pallas path: one group per loop block).
         window, scale, sinks, implementation, return_stats: as `attention.attend`.
+        num_splits: split-K factor (grid axis; at most S // group), partials merged by `online_softmax.combine`.
 
     Returns:
         [B, T, N, D] in q's dtype, or the un-normalised `(o, m, l)` with `return_stats`.
@@ -102,34 +103,48 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     rows = queries_to_rows(q.astype(jnp.float32), K, R)  # [B, K, R, D]
     q_planes = jnp.moveaxis(rows.reshape(B, K, R, D // per, per), -1, 2)  # [B, K, per, R, D / per]
     qpos_rows = positions_to_rows(q_pos, G, R)
+    splits = max(1, min(num_splits, S // group))
+    split_len = -(-S // (splits * group)) * group  # whole groups per split
+    pad = split_len * splits - S
+
+    def pad_slots(x, axis, value=0, unit=1):  # a copy only when S is not a multiple of splits * group
+        if not pad:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad // unit)
+        return jnp.pad(x, widths, constant_values=value)
+
     # free reshapes: channel d = c * per + j -> [..., c, j], so plane j is a strided read of the last axis
-    ks = k_scale.reshape(B, K, S // group, D // per, per)
-    kz = k_zero.reshape(B, K, S // group, D // per, per)
-    kp = k_pos.astype(jnp.int32)
+    ks = pad_slots(k_scale.reshape(B, K, S // group, D // per, per), 2, unit=group)
+    kz = pad_slots(k_zero.reshape(B, K, S // group, D // per, per), 2, unit=group)
+    kp = pad_slots(k_pos.astype(jnp.int32), 1, -1)
     interpret = interpret_arg(impl)
-    slots = pl.BlockSpec((None, None, S, D // per), lambda b, h: (b, h, 0, 0))
-    groups = pl.BlockSpec((None, None, S // group, D // per, per), lambda b, h: (b, h, 0, 0, 0))
-    per_token = pl.BlockSpec((None, None, S), lambda b, h: (b, h, 0))
-    kernel = functools.partial(_kernel, bits=bits, group=group, n_blocks=S // group, window=window,
+    slots = pl.BlockSpec((None, None, split_len, D // per), lambda b, h, s: (b, h, s, 0))
+    groups = pl.BlockSpec((None, None, split_len // group, D // per, per), lambda b, h, s: (b, h, s, 0, 0))
+    per_token = pl.BlockSpec((None, None, split_len), lambda b, h, s: (b, h, s))
+    kernel = functools.partial(_kernel, bits=bits, group=group, n_blocks=split_len // group, window=window,
                                scale=float(scale))
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(B, K),
-        in_specs=[pl.BlockSpec((None, R), lambda b, h: (b, 0)),
-                  pl.BlockSpec((None, None, per, R, D // per), lambda b, h: (b, h, 0, 0, 0)),
+        grid=(B, K, splits),
+        in_specs=[pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
+                  pl.BlockSpec((None, None, per, R, D // per), lambda b, h, s: (b, h, 0, 0, 0)),
                   slots, groups, groups, slots, per_token, per_token,
-                  pl.BlockSpec((None, S), lambda b, h: (b, 0))],
-        out_specs=[pl.BlockSpec((None, None, per, R, D // per), lambda b, h: (b, h, 0, 0, 0)),
-                   pl.BlockSpec((None, None, R), lambda b, h: (b, h, 0)),
-                   pl.BlockSpec((None, None, R), lambda b, h: (b, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, K, per, R, D // per), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, R), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, R), jnp.float32)],
+                  pl.BlockSpec((None, split_len), lambda b, h, s: (b, s))],
+        out_specs=[pl.BlockSpec((None, None, None, per, R, D // per), lambda b, h, s: (b, h, s, 0, 0, 0)),
+                   pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+                   pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, per, R, D // per), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, R), jnp.float32)],
         interpret=interpret,
         compiler_params=compiler_params(interpret),
         name=f"kvjax_quantized_{bits}bit",
-    )(qpos_rows, q_planes, k_codes, ks, kz, v_codes, v_scale[..., 0], v_zero[..., 0], kp)
-    o = jnp.moveaxis(o, 2, -1).reshape(B, K, R, D)  # interleave planes back: channel c * per + j
+    )(qpos_rows, q_planes, pad_slots(k_codes, 2), ks, kz, pad_slots(v_codes, 2), pad_slots(v_scale[..., 0], 2),
+      pad_slots(v_zero[..., 0], 2), kp)
+    # merge splits: combine wants o as [..., splits, R, D]; planes ride along in the last axes
+    o = jnp.moveaxis(o, 3, -1).reshape(B, K, splits, R, D)  # interleave planes back: channel c * per + j
+    o, m, l = osm.combine(o, m, l, axis=2)
     if return_stats:
         return (rows_to_queries(o, T, N), rows_to_queries(m[..., None], T, N)[..., 0],
                 rows_to_queries(l[..., None], T, N)[..., 0])
