@@ -62,7 +62,7 @@ def bench_lookup(lengths, P, reps):
         toks = rng.integers(0, 50000, n + 1).astype(np.int32)
         cache = synthetic_cache(cfg, n, pick_capacity(n + 1))
         snap = forms.snapshot(cache)
-        pc.insert(ns, toks[:n], cache, {e: snap for e in range(256, n + 1, 256)})
+        pc.insert(ns, toks[:n], cache, {e: snap for e in [*range(256, n + 1, 256), n]})
         # a second, diverging request so the tree has a split
         pc.insert(ns, np.concatenate([toks[: n // 2], toks[n // 2:n] + 1]), cache, {})
         times = []

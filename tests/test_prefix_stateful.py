@@ -92,7 +92,7 @@ def check_hit(pc, tokens):
 
 def make_cache(store):
     return PrefixCache(FORMS, device_bytes=2 * 6 * ENTRY, host_bytes=2 * 5 * ENTRY, store_url=store,
-                       store_bytes=2 * 12 * ENTRY)
+                       store_bytes=2 * 12 * ENTRY, max_meta_blocks=12)
 
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=CAP - 1)

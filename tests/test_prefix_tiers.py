@@ -127,3 +127,22 @@ def test_corrupt_store_entries_are_detected_and_recomputed(model, tmp_path, dama
     np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)
     assert pc2.stats()["events"].get("corrupt") == 1
     assert plan.boundary < 96  # the plan was re-made below the corrupt block
+
+
+def test_store_timeout_is_a_capacity_miss_and_recomputes(model, tmp_path):
+    url = str(tmp_path / "store")
+    pc = PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 20, host_bytes=0, store_url=url)
+    run(model, pc, PROMPT)
+    pc.flush()
+    pc2 = PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 20, host_bytes=0, store_url=url,
+                      store_timeout_s=0.01)
+
+    class Slow:
+        def result(self, timeout=None):
+            raise TimeoutError("store did not answer")
+
+    pc2.store.read_entry_async = lambda *a: Slow()
+    got, plan = run(model, pc2, PROMPT)
+    assert plan.boundary == 0 and "store" not in plan.tiers
+    assert pc2.stats()["misses"]["capacity"]["tier timeout"] > 0
+    np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)

@@ -20,6 +20,7 @@ re-compares token ids (radix.py) and store entries carry their tokens (tiers.py)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Mapping
@@ -87,13 +88,13 @@ class Namespace:
     representation: Mapping[str, Any]
     tenant_salt: str = ""
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
         body = json.dumps({"semantic": _canonical(self.semantic), "representation": _canonical(self.representation),
                            "tenant_salt": self.tenant_salt}, sort_keys=True, separators=(",", ":"))
         return digest(NAMESPACE_DOMAIN, body.encode())
 
-    @property
+    @functools.cached_property
     def hex(self) -> str:
         return self.digest.hex()
 

@@ -103,7 +103,7 @@ class PrefixCache:
 
     def __init__(self, forms: FormSet, *, device_bytes: int = 64 << 20, host_bytes: int = 256 << 20,
                  store_url: str | None = None, store_bytes: int = 16 << 30, shares: dict | None = None,
-                 store_timeout_s: float = 10.0):
+                 store_timeout_s: float = 10.0, max_meta_blocks: int = 1 << 20):
         self.forms = forms
         self.P = forms.block_size
         self.specs = {s.name: s for s in forms.specs}
@@ -120,6 +120,7 @@ class PrefixCache:
         self.metrics = Metrics()
         self._clock = itertools.count(1)
         self._zeros: dict = {}
+        self.max_meta_blocks = max_meta_blocks
         self.store = StoreTier(store_url, store_timeout_s) if store_url else None
         self._store_ns: set[str] = set()
         if self.store is not None:
@@ -168,19 +169,26 @@ class PrefixCache:
                                             tokens=T - matched))
             upper = min(T - 1, matched)  # the last prompt token is always recomputed: its logits are the output
             now = next(self._clock)
+            # Per path form: leading available entries and their tiers, gathered in one pass. Only a few objects are
+            # allocated per lookup (parallel lists, no per-block tuples) so a 2048-block walk does not wake the GC.
+            avail = {}
             for spec in self.path_forms:
-                n = 0
+                name, ents, tl = spec.name, [], []
                 for blk in blocks:
-                    e = blk.path.get(spec.name)
-                    if e is None or e.tier(tiers) is None:
+                    e = blk.path.get(name)
+                    t = None if e is None else e.tier(tiers)
+                    if t is None:
+                        n = len(ents)
                         why = "not admitted" if e is None else ("tier excluded" if e.tier() else e.why)
                         shortfalls.append(Shortfall(CAPACITY, why, f"block {n} (tokens {n * P}..) {why}",
-                                                    spec.name, matched - n * P))
+                                                    name, matched - n * P))
                         break
                     e.last_access = now
-                    n += 1
-                fplans[spec.name].reusable = n * P
-                upper = min(upper, n * P)
+                    ents.append(e)
+                    tl.append(t)
+                avail[name] = (ents, tl)
+                fplans[name].reusable = len(ents) * P
+                upper = min(upper, len(ents) * P)
             for spec in self.snap_forms:
                 fplans[spec.name].reusable = self._last_snapshot(blocks, (spec,), min(T - 1, matched), 1, tiers)
             if self.snap_forms:
@@ -195,23 +203,23 @@ class PrefixCache:
                 shortfalls.append(Shortfall("boundary", "last token", "exact whole-prompt hit: the last token is "
                                             "recomputed for its logits", tokens=T - upper))
             pins = []
+            nb = -(-b // P)
             for spec in self.path_forms:
+                ents, tl = avail[spec.name]
                 fp = fplans[spec.name]
-                for blk in blocks[: -(-b // P)]:
-                    e = blk.path[spec.name]
-                    fp.loads.append((blk, e.tier(tiers)))
-                    pins.append(e)
+                fp.blocks, fp.tiers = blocks[:nb], tl[:nb]
+                pins += ents[:nb]
             if b > 0:
                 for spec in self.snap_forms:
                     blk = blocks[b // P - 1]
                     e = blk.snap[spec.name]
-                    fplans[spec.name].loads.append((blk, e.tier(tiers)))
+                    fplans[spec.name].blocks, fplans[spec.name].tiers = [blk], [e.tier(tiers)]
                     pins.append(e)
             for fp in fplans.values():
-                fp.used = dict(collections.Counter(t for _, t in fp.loads))
+                fp.used = dict(collections.Counter(fp.tiers))
             for e in pins:
                 e.pins += 1
-            lease = Lease(self, [(e, e.generation) for e in pins])
+            lease = Lease(self, pins, [e.generation for e in pins])
             ms = (time.perf_counter() - t0) * 1e3
             m = self.metrics
             m.lookups += 1
@@ -246,7 +254,7 @@ class PrefixCache:
             if lease.released:
                 return
             lease.released = True
-            for e, _ in lease.pins:
+            for e in lease.entries:
                 e.pins -= 1
 
     # ------------------------------------------------------------------------------------------------ execute
@@ -294,18 +302,21 @@ class PrefixCache:
     def _execute_once(self, plan: Plan, cache):
         P, b = self.P, plan.boundary
         lease = plan.lease
-        if lease is None or not lease.valid():
-            raise StaleLease("plan's lease was released or an entry it pins moved")
+        if lease is None or lease.released:
+            raise StaleLease("plan's lease was released before the plan was executed")
+        if not lease.valid():
+            raise _Replan("lease moved")
         staged_np: dict[str, Any] = {}
         # store reads happen outside the lock (the entries are pinned); everything else under it
         for spec in self.forms.specs:
-            for j, (blk, tier) in enumerate(plan.forms[spec.name].loads):
+            fp = plan.forms[spec.name]
+            for j, (blk, tier) in enumerate(zip(fp.blocks, fp.tiers)):
                 if tier == STORE:
                     staged_np[(spec.name, j)] = self._read_store(plan, spec, blk)
         staged = {}
         with self.lock:
             if not lease.valid():
-                raise StaleLease("plan's lease moved between check and use")
+                raise _Replan("lease moved")  # an entry it reads was dropped (e.g. found corrupt) meanwhile
             maxB = None
             for spec in self.forms.specs:
                 fp = plan.forms[spec.name]
@@ -314,7 +325,7 @@ class PrefixCache:
                     slots = np.full((maxB,), -1, np.int32)
                     from_staged = np.zeros((maxB,), bool)
                     host_rows = {}
-                    for j, (blk, tier) in enumerate(fp.loads):
+                    for j, (blk, tier) in enumerate(zip(fp.blocks, fp.tiers)):
                         e = blk.path[spec.name]
                         if tier == DEVICE:
                             slots[j] = e.slot
@@ -326,6 +337,10 @@ class PrefixCache:
                         else:
                             host_rows[j] = staged_np[(spec.name, j)]
                         from_staged[j] = tier != DEVICE
+                    pool = self.pools[spec.name]
+                    if (from_staged == 0).any() and (pool.array.dtype != np.dtype(spec.dtype)
+                                                     or pool.array.shape[1:] != spec.entry_shape):
+                        raise RuntimeError(f"device pool of {spec.name} does not hold {spec.dtype}{spec.entry_shape}")
                     if host_rows:
                         buf = np.zeros((maxB,) + spec.entry_shape, spec.dtype)
                         for j, x in host_rows.items():
@@ -335,10 +350,10 @@ class PrefixCache:
                         rows = self._zero((spec.name, maxB), (maxB,) + spec.entry_shape, spec.dtype)
                     staged[spec.name] = self.pools[spec.name].gather(slots, rows, from_staged)
                 else:
-                    if not fp.loads:
+                    if not fp.blocks:
                         staged[spec.name] = self._zero(spec.name, spec.entry_shape, spec.dtype)
                         continue
-                    blk, tier = fp.loads[0]
+                    blk, tier = fp.blocks[0], fp.tiers[0]
                     e = blk.snap[spec.name]
                     if tier == DEVICE:
                         staged[spec.name] = take_one(self.pools[spec.name].array, jnp.int32(e.slot))
@@ -353,9 +368,12 @@ class PrefixCache:
             m = self.metrics
             m.hit_tokens += b
             for spec in self.forms.specs:
-                for j, (blk, tier) in enumerate(plan.forms[spec.name].loads):
-                    m.reused_blocks[spec.name][tier] += 1
-                    m.reused_tokens[spec.name][tier] += (min(P, b - j * P) if spec.kind == PATH else b)
+                fp = plan.forms[spec.name]
+                for tier, k in collections.Counter(fp.tiers).items():
+                    m.reused_blocks[spec.name][tier] += k
+                    m.reused_tokens[spec.name][tier] += k * P if spec.kind == PATH else b
+                if spec.kind == PATH and fp.tiers and b % P:  # the last block is used in part
+                    m.reused_tokens[spec.name][fp.tiers[-1]] -= P - b % P
         return self.forms.restore(cache, staged, b)
 
     def _max_blocks(self, cache) -> int:
@@ -403,6 +421,8 @@ class PrefixCache:
                 if need:
                     src = src or self.forms.blocks(cache)
                     self._admit(ns, spec, need, src[spec.name], [e.block.index for e in need], stats)
+            if tree.num_blocks > self.max_meta_blocks:
+                self._prune(tree)
             for boundary, snap in sorted((snapshots or {}).items()):
                 if boundary <= 0 or boundary % P or boundary // P > n_full:
                     continue
@@ -415,6 +435,27 @@ class PrefixCache:
                     if e.tier() is None and not e.pending:
                         self._admit(ns, spec, [e], snap[spec.name][None], [0], stats)
         return dict(stats)
+
+    def _prune(self, tree: RadixTree) -> int:
+        """Drop metadata of dead blocks (no tier, nothing pending, unpinned) from the ends of leaves."""
+
+        def dead(blk):
+            return all(e.tier() is None and not e.pending and not e.pins
+                       for e in (*blk.path.values(), *blk.snap.values()))
+
+        removed, changed = 0, True
+        while changed and tree.num_blocks > self.max_meta_blocks:
+            changed = False
+            for leaf in tree.leaves():
+                n = 0
+                while n < len(leaf.blocks) and dead(leaf.blocks[-1 - n]):
+                    n += 1
+                if n:
+                    tree.remove_tail(leaf, n)
+                    removed += n
+                    changed = True
+        self.metrics.events["pruned_blocks"] += removed
+        return removed
 
     def _check_formats(self, ns: Namespace) -> None:
         want = {s.name: s.fingerprint for s in self.forms.specs}
@@ -552,9 +593,8 @@ class PrefixCache:
                     keep.append((kind, e, obj))
                     continue
                 e.pending -= 1
-                e.host = obj
+                e.host = obj  # adding a copy moves nothing a lease reads: no generation bump
                 self.members[e.form][HOST][e] = None
-                e.generation += 1
             else:
                 if not wait and not obj.done():
                     keep.append((kind, e, obj))
@@ -570,7 +610,6 @@ class PrefixCache:
                     if ok:
                         e.in_store = True
                         self.members[e.form][STORE][e] = None
-                        e.generation += 1
         self.pending = keep
 
     def flush(self) -> None:

@@ -46,27 +46,35 @@ class FormPlan:
         reusable: tokens this form alone could serve (path: leading available blocks * P; snapshot: the largest
             boundary with a snapshot, bounded by the matched prefix).
         used: entries the plan reads, per tier ({"device": n, "host": n, "store": n}).
-        loads: (Block, tier) pairs to read, in order (path: one per block below the boundary; snapshot: at most one).
+        blocks, tiers: the Blocks to read and the tier each is read from, in order (path: one per block below the
+            boundary; snapshot: at most one, the block the boundary ends).
     """
 
     name: str
     kind: str
     reusable: int = 0
     used: dict = dataclasses.field(default_factory=dict)
-    loads: list = dataclasses.field(default_factory=list)
+    blocks: list = dataclasses.field(default_factory=list)
+    tiers: list = dataclasses.field(default_factory=list)
+
+    @property
+    def loads(self) -> list:
+        """(Block, tier) pairs."""
+        return list(zip(self.blocks, self.tiers))
 
 
 class Lease:
     """Pins the entries a plan reads. Valid until released or until an entry's generation moves."""
 
-    def __init__(self, manager, pins: list):
+    def __init__(self, manager, entries: list, generations: list):
         self.id = next(_lease_ids)
         self.manager = manager
-        self.pins = pins  # [(Entry, generation)]
+        self.entries = entries  # the pinned entries
+        self.generations = generations  # their generations at lookup
         self.released = False
 
     def valid(self) -> bool:
-        return not self.released and all(e.generation == g for e, g in self.pins)
+        return not self.released and [e.generation for e in self.entries] == self.generations
 
     def release(self) -> None:
         if self.manager is not None:

@@ -139,16 +139,16 @@ class RadixTree:
         return out
 
     def remove_tail(self, node: Node, nblocks: int) -> None:
-        """Drop the last `nblocks` blocks of a leaf node's edge (metadata pruning); removes the node if emptied."""
+        """Drop the last `nblocks` blocks of a leaf node's edge (metadata pruning); detaches the node if emptied."""
         assert not node.children and node is not self.root
-        P = self.P
+        nblocks = min(nblocks, len(node.blocks))
         keep = len(node.blocks) - nblocks
         self.num_blocks -= nblocks
-        if keep <= 0:
+        if keep == 0:
             del node.parent.children[self._key(node.tokens)]
-            self.num_blocks += -keep if keep < 0 else 0
+            node.parent = None
             return
-        node.tokens = node.tokens[: keep * P]
+        node.tokens = node.tokens[: keep * self.P]
         node.blocks = node.blocks[:keep]
 
     def leaves(self) -> list[Node]:
