@@ -66,12 +66,56 @@ def cmd_generate(args) -> dict:
         out, stats = vericache.generate_vericache(model, ids, args.new_tokens, compressor=args.compressor,
                                                   draft_len=args.draft_len, offload=args.offload, progress=True)
     dt = time.perf_counter() - t0
+    if args.compare_full:
+        stats = {**stats, **_compare_full(args, model, ids, out)}
     text = model.tokenizer.decode([int(t) for t in out]) if model.tokenizer is not None else None
     if text is not None:
         print(text)
     result = dict(mode=args.mode, prompt_tokens=int(ids.size), new_tokens=int(len(out)), seconds=round(dt, 3),
                   tokens=[int(t) for t in out], **{k: v for k, v in stats.items() if _jsonable(v)})
     return result
+
+
+def _full_cache_tokens_per_s(model, ids, n: int) -> float:
+    """Throughput of kvjax's best full-cache decoder (one `lax.fori_loop` call), compiled before it is timed."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.cache.forms import init_cache, pick_capacity
+    from kvjax.decode import steps
+
+    cache = init_cache(model.config, 1, pick_capacity(ids.size + n + 2))
+    logits, cache = steps.prefill(model.params, model.config, cache, ids)
+    first = jnp.argmax(logits).astype(jnp.int32)[None]
+    warm = jax.tree.map(jnp.copy, cache)
+    jax.block_until_ready(steps.greedy_decode(model.params, model.config, warm, first, num_steps=n)[0])
+    t0 = time.perf_counter()
+    jax.block_until_ready(steps.greedy_decode(model.params, model.config, cache, first, num_steps=n)[0])
+    return n / (time.perf_counter() - t0)
+
+
+def _compare_full(args, model, ids, out) -> dict:
+    """Check VeriCache tokens against the full-cache reference decode and time full-cache decoding."""
+    import numpy as np
+
+    from kvjax.decode import vericache
+
+    if args.mode != "vericache":
+        return {}
+    print("checking against full-cache reference decoding ...", file=sys.stderr)
+    ref = vericache.reference_decode(model, ids, len(out), draft_len=args.draft_len)
+    identical = bool(np.array_equal(ref, np.asarray(out)))
+    full_tps = _full_cache_tokens_per_s(model, ids, len(out))
+    return dict(identical_to_full_cache=identical, full_cache_tokens_per_s=round(full_tps, 2))
+
+
+def _summary(result: dict) -> str:
+    keys = ("mode", "prompt_tokens", "new_tokens", "tokens_per_s", "full_cache_tokens_per_s",
+            "mean_accepted_per_round", "identical_to_full_cache", "seconds")
+    parts = [f"{k}={result[k]}" for k in keys if k in result]
+    if "tokens_per_s" in result and "full_cache_tokens_per_s" in result and result["full_cache_tokens_per_s"]:
+        parts.append(f"speedup_vs_full={result['tokens_per_s'] / result['full_cache_tokens_per_s']:.2f}x")
+    return "summary: " + " ".join(parts)
 
 
 def _jsonable(v) -> bool:
@@ -98,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true", help="keep the prompt's full KV in host memory")
     g.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compare-full", action="store_true",
+                   help="also run full-cache decoding: identity check and throughput ratio")
     g.add_argument("--json", help="write the result as JSON to this path")
     g.set_defaults(fn=cmd_generate)
     return p
@@ -110,6 +156,10 @@ def main(argv=None) -> int:
     except (CliError, ValueError, FileNotFoundError, OSError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
+    print(_summary(result), file=sys.stderr)
+    if result.get("identical_to_full_cache") is False:
+        print("kvjax: error: VeriCache output differs from full-cache decoding", file=sys.stderr)
+        return 1
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
