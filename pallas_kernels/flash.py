@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import online_softmax as osm
-from pallas_kernels.layout import next_pow2
+from pallas_kernels.layout import block_size, next_pow2
 from pallas_kernels.backend import compiler_params
 
 _BIG = 2**30
@@ -115,14 +115,14 @@ def flash_partials(q_rows, qpos_rows, k, v, *, pos_mode, k_pos=None, seen=None, 
         pos_mode: "array" | "affine" | "ring" (module docstring).
         k_pos: i32[B, S] or [B, K, S] for "array"; seen: i32[B] for "ring".
         ratio: compression ratio m for "affine"; window: W or None; scale: softmax scale.
-        block_k: slots per loop step (rounded to a power of two, at most the padded cache).
+        block_k: slots per loop step (a power of two in [16, padded cache]).
         num_splits: split-K factor (grid axis); partials merged by `online_softmax.combine`.
         interpret: False, True, or a `pltpu.InterpretParams` (the out-of-bounds-checking debug run).
     """
     B, K, R, D = q_rows.shape
     S = k.shape[2]
     kv_shared = v is None
-    block_k = min(next_pow2(block_k), next_pow2(S))
+    block_k = block_size(block_k, S)
     split_len = -(-S // (num_splits * block_k)) * block_k
     S_pad = split_len * num_splits
     D_pad = max(16, next_pow2(D))

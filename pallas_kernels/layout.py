@@ -12,6 +12,12 @@ import jax
 import jax.numpy as jnp
 
 MIN_ROWS = 16
+MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+
+
+def block_size(requested: int, extent: int) -> int:
+    """A power-of-two block in [MIN_BLOCK, next_pow2(extent)] (padding covers the rest)."""
+    return max(MIN_BLOCK, min(next_pow2(requested), next_pow2(extent)))
 
 
 def next_pow2(n: int) -> int:

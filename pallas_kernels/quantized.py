@@ -98,6 +98,8 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     per = 8 // bits
     if group != next_pow2(group) or group < 16 or S % group:
         raise ValueError(f"the Pallas path needs a power-of-two group >= 16 dividing S={S}, got group={group}")
+    if impl == "pallas" and D // per < 16:  # interpret mode runs it; Triton would reject the plane tiles
+        raise ValueError(f"the compiled kernel needs D * bits / 8 >= 16 (tl.dot tiles), got D={D}, bits={bits}")
     R = row_count(T, G)
     scale = D**-0.5 if scale is None else scale
     rows = queries_to_rows(q.astype(jnp.float32), K, R)  # [B, K, R, D]

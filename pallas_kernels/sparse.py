@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference as ref
 from pallas_kernels.backend import compiler_params, interpret_arg, resolve
-from pallas_kernels.layout import next_pow2, row_count
+from pallas_kernels.layout import block_size, next_pow2, row_count
 
 
 def _gather(ref, idx, checked):
@@ -80,7 +80,7 @@ def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation
     R = row_count(1, G)
     scale = D**-0.5 if scale is None else scale
     n_picks = indices.shape[2]
-    block_k = min(next_pow2(block_k), next_pow2(n_picks))
+    block_k = block_size(block_k, n_picks)
     P_pad = -(-n_picks // block_k) * block_k
     D_pad = max(16, next_pow2(D))
     E_pad = next_pow2(E)

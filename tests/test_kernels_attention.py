@@ -133,7 +133,7 @@ class KernelCases:
         seen = jnp.asarray([50, 9], jnp.int32)  # wrapped several times / not yet full
         q, k, v = rand(rng, (2, T, K * G, D), dtype), rand(rng, (2, K, C, D), dtype), rand(rng, (2, K, C, D), dtype)
         q_pos = seen[:, None] - T + jnp.arange(T)[None, :]
-        got = self.call(pk.window_attention, q, k, v, q_pos, seen, window=W, block_k=8)
+        got = self.call(pk.window_attention, q, k, v, q_pos, seen, window=W, block_k=16)
         close(got, ref.window_reference(q, k, v, q_pos, seen, window=W), dtype)
 
     # -- kernel 4: compressed entries -----------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class KernelCases:
         q, k, v = rand(rng, (2, 3, K * G, D), dtype), rand(rng, (2, K, E, D), dtype), rand(rng, (2, K, E, D), dtype)
         v = None if shared else v
         sk = rand(rng, (K * G,)) if shared else None
-        got = self.call(pk.compressed_attention, q, k, v, q_pos, ratio=m, sinks=sk, block_k=8)
+        got = self.call(pk.compressed_attention, q, k, v, q_pos, ratio=m, sinks=sk, block_k=16)
         close(got, ref.compressed_reference(q, k, v, q_pos, ratio=m, sinks=sk), dtype)
         if sk is None:
             assert not np.asarray(got[0, 2]).any()
@@ -160,7 +160,7 @@ class KernelCases:
         v = None if shared else v
         idx = jnp.asarray(rng.integers(-1, E, size=(2, 3, P)), jnp.int32).at[1, 2].set(-1)  # one query: no pick
         sk = rand(rng, (K * G,)) if shared else None
-        got = self.call(pk.sparse_attention, q, k, v, idx, sinks=sk, block_k=8)
+        got = self.call(pk.sparse_attention, q, k, v, idx, sinks=sk, block_k=16)
         close(got, ref.sparse_reference(q, k, v, idx, sinks=sk), dtype)
         if sk is None:
             assert not np.asarray(got[1, 2]).any()

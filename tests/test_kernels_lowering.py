@@ -74,7 +74,7 @@ def test_debug_run_passes_in_bounds_and_matches_interpret():
     lengths = jnp.asarray([37], jnp.int32)
     idx = jnp.asarray([[[0, 39, -1, 5, 17, 3]]], jnp.int32)
     for fn, args in ((functools.partial(pk.decode_attention, num_splits=2, block_k=16), (q, k, k, lengths)),
-                     (functools.partial(pk.sparse_attention, block_k=4), (q, k, None, idx))):
+                     (functools.partial(pk.sparse_attention, block_k=16), (q, k, None, idx))):
         debug = fn(*args, implementation="pallas_debug")
         np.testing.assert_array_equal(np.asarray(debug), np.asarray(fn(*args, implementation="pallas_interpret")))
 
