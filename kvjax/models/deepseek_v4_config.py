@@ -177,7 +177,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV4Config:
     rope_head_dim = int(head_dim * prf)
     if rope_head_dim % 2 or rope_head_dim > head_dim:
         raise UnsupportedConfigError(f"partial_rotary_factor={prf} gives rope dim {rope_head_dim}")
-    rp = dict(hf.get("rope_parameters") or {})
+    rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # legacy name of the yarn dict
     theta = float(hf.get("rope_theta", 10000.0))
     ctheta = float(hf.get("compress_rope_theta", 160000.0))
     if isinstance(rp.get("main"), Mapping) and isinstance(rp.get("compress"), Mapping):

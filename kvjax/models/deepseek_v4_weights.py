@@ -39,6 +39,10 @@ _RENAMES = [
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]
 _IGNORED = re.compile(r"(^|\.)mtp\.")  # multi-token-prediction layers: not part of the causal LM
+# Leaves transformers keeps in float32 whatever the model dtype (`_keep_in_fp32_modules_strict`: hyper-connections,
+# sinks, position biases, router bias, every RMSNorm weight); kvjax does the same so bf16 runs round alike.
+F32_LEAVES = frozenset({"fn", "base", "scale", "sinks", "ape", "bias", "q_norm", "kv_norm", "norm", "attn_norm",
+                        "ffn_norm", "final_norm"})
 
 
 def canonical(name: str) -> str:
@@ -171,7 +175,8 @@ def params_from_tensors(config: DeepseekV4Config, tensors: dict[str, np.ndarray]
         if how == "int":
             _set(tree, path, jnp.asarray(x.astype(np.int32)))
         else:
-            _set(tree, path, jnp.asarray(_to_param(x.astype(np.float32), how, config).astype(dt)))
+            leaf_dt = np.float32 if path[-1] in F32_LEAVES else dt
+            _set(tree, path, jnp.asarray(_to_param(x.astype(np.float32), how, config).astype(leaf_dt)))
     E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
     for i in range(config.num_layers):
         pre = f"layers.{i}.mlp.experts."
@@ -212,7 +217,7 @@ def params_to_tensors(config: DeepseekV4Config, params: dict[str, Any]) -> dict[
 def init_params(config: DeepseekV4Config, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict[str, Any]:
     """Random params for training from scratch: normal(std) matrices, unit norm weights, zero sinks / position
     biases / hyper-connection bases, unit hyper-connection scales (transformers' `_init_weights`), and a hash table
-    giving each token `num_experts_per_tok` distinct experts."""
+    giving each token `num_experts_per_tok` distinct experts. `F32_LEAVES` stay float32 whatever `dtype` is."""
     rows = _table(config)
     keys = jax.random.split(key, len(rows) + 3 * config.num_layers + 1)
     tree: dict[str, Any] = {"layers": {}}
@@ -224,9 +229,11 @@ def init_params(config: DeepseekV4Config, key: jax.Array, dtype=jnp.float32, std
             perm = jax.vmap(lambda kk_: jax.random.permutation(kk_, E))(jax.random.split(k, config.vocab_size))
             _set(tree, path, perm[:, :kk].astype(jnp.int32))
         elif leaf in ("sinks", "ape", "base", "bias"):
-            _set(tree, path, jnp.zeros(pshape, dtype))
+            _set(tree, path, jnp.zeros(pshape, jnp.float32))
         elif leaf in ("scale", "final_norm", "attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm"):
-            _set(tree, path, jnp.ones(pshape, dtype))
+            _set(tree, path, jnp.ones(pshape, jnp.float32))
+        elif leaf == "fn":
+            _set(tree, path, (std * jax.random.normal(k, pshape)).astype(jnp.float32))
         else:
             _set(tree, path, (std * jax.random.normal(k, pshape)).astype(dtype))
     E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
