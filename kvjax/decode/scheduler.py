@@ -183,7 +183,8 @@ class VeriCacheScheduler:
         self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x,
                           compressor=self.comp.name, verify_slots=self.verify_slots,
                           mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
-                          verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full)
+                          verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
+                          verifies_per_iteration=list(self.verifies_per_iteration))
         return SchedulerResult(
             name=f"vericache-{self.mode}", outputs={i: np.asarray(o[:requests[i].max_new_tokens], np.int32)
                                                     for i, o in self.done.items()},
@@ -202,6 +203,7 @@ class VeriCacheScheduler:
         self.row_bytes = 0
         self.pool_full = 0
         self.accepted: list[int] = []
+        self.verifies_per_iteration: list[int] = []
         self.emitted = 0
         self.stats = dict(draft_s=0.0, draft_calls=0, draft_steps=0, fetch_s=0.0, verify_s=0.0, admit_s=0.0,
                           admissions=0)
@@ -263,6 +265,7 @@ class VeriCacheScheduler:
 
     def _verify_due(self, blocking_fetch: bool = False) -> None:
         due = [s for s in self._order() if self.count[s] >= self.limit[s]]
+        self.verifies_per_iteration.append(len(due))
         due.sort(key=lambda s: (s not in self.inflight, s))  # prefetched ones first
         for i, s in enumerate(due):
             t = time.perf_counter()
