@@ -43,7 +43,7 @@ def _run(q, k, v, q_pos, *, sinks, scale, implementation, return_stats=False, **
 
 
 def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implementation=None, block_k=64,
-           num_splits=1, return_stats=False):
+           num_splits=None, return_stats=False):
     """Kernel 0: position-masked GQA attention over any cache form.
 
     Args:
@@ -54,7 +54,7 @@ def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implem
             (and k_pos > q_pos - W when windowed). Blocks with no visible key are skipped without reading K/V.
         window: W or None; scale: default D ** -0.5; sinks: f32[N] or None.
         implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
-        block_k, num_splits: kernel tiling (static).
+        block_k, num_splits: kernel tiling (static; num_splits None = `layout.auto_splits`).
         return_stats: return un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])` for
             `online_softmax.combine` with another part of the cache (sinks are then the caller's to add).
 
@@ -70,7 +70,7 @@ def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implem
 
 
 def decode_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, implementation=None, block_k=64,
-                     num_splits=4):
+                     num_splits=None):
     """Kernel 1: attention of the newest token(s) over a dense cache.
 
     Args:
@@ -79,7 +79,8 @@ def decode_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, i
         lengths: i32[B] tokens in the cache. Slots >= lengths are never read (the loop stops at the last visible
             block), so stale slots after a rollback are harmless.
         window: W or None (the loop then starts at the window's first block, not at slot 0).
-        num_splits: split-K factor; the splits' `(o, m, l)` are merged by `online_softmax.combine`.
+        num_splits: split-K factor (None: enough to fill the GPU, see `layout.auto_splits`); the splits'
+            `(o, m, l)` are merged by `online_softmax.combine`.
 
     Returns:
         [B, T, N, D] in q's dtype.
@@ -93,7 +94,7 @@ def decode_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, i
 
 
 def verify_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, implementation=None, block_k=64,
-                     num_splits=1):
+                     num_splits=None):
     """Kernel 2: the `x + 1` verification queries over the full cache plus the accepted suffix.
 
     The draft block's keys/values were written at `lengths - (x + 1) ..` before the call, so query t sees the whole
@@ -107,7 +108,7 @@ def verify_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, i
 
 
 def window_attention(q, k, v, q_pos, seen, *, window, scale=None, sinks=None, implementation=None, block_k=64,
-                     num_splits=1):
+                     num_splits=None):
     """Kernel 3: sliding-window attention over a ring buffer.
 
     Args:
@@ -128,7 +129,7 @@ def window_attention(q, k, v, q_pos, seen, *, window, scale=None, sinks=None, im
 
 
 def compressed_attention(q, k, v, q_pos, *, ratio, scale=None, sinks=None, implementation=None, block_k=64,
-                         num_splits=1):
+                         num_splits=None):
     """Kernel 4: attention over compressed (CSA/HCA) entries.
 
     Args:

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import online_softmax as osm
-from pallas_kernels.layout import block_size, next_pow2
+from pallas_kernels.layout import auto_splits, block_size, next_pow2
 from pallas_kernels.backend import compiler_params
 
 _BIG = 2**30
@@ -106,7 +106,7 @@ def _kernel(*refs, pos_mode, ratio, window, n_slots, block_k, split_len, kv_shar
 
 
 def flash_partials(q_rows, qpos_rows, k, v, *, pos_mode, k_pos=None, seen=None, ratio=1, window=None, scale,
-                   block_k=64, num_splits=1, interpret=False):
+                   block_k=64, num_splits=None, interpret=False):
     """Run the kernel; return split-merged `(o f32[B, K, R, D], m f32[B, K, R], l f32[B, K, R])`.
 
     Args:
@@ -116,13 +116,15 @@ def flash_partials(q_rows, qpos_rows, k, v, *, pos_mode, k_pos=None, seen=None, 
         k_pos: i32[B, S] or [B, K, S] for "array"; seen: i32[B] for "ring".
         ratio: compression ratio m for "affine"; window: W or None; scale: softmax scale.
         block_k: slots per loop step (a power of two in [16, padded cache]).
-        num_splits: split-K factor (grid axis); partials merged by `online_softmax.combine`.
+        num_splits: split-K factor (grid axis; None = `layout.auto_splits`); partials merged by
+            `online_softmax.combine`.
         interpret: False, True, or a `pltpu.InterpretParams` (the out-of-bounds-checking debug run).
     """
     B, K, R, D = q_rows.shape
     S = k.shape[2]
     kv_shared = v is None
     block_k = block_size(block_k, S)
+    num_splits = auto_splits(num_splits, B, K, S, block_k)
     split_len = -(-S // (num_splits * block_k)) * block_k
     S_pad = split_len * num_splits
     D_pad = max(16, next_pow2(D))

@@ -61,3 +61,17 @@ def sinks_to_rows(sinks: jax.Array | None, K: int, T: int, R: int) -> jax.Array 
     rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, 1, G), (1, T, 1)).reshape(K, T * G)
     rows = jnp.pad(rows, ((0, 0), (0, R - T * G)), constant_values=-0.7 * float(jnp.finfo(jnp.float32).max))
     return rows[None]
+
+
+TARGET_PROGRAMS = 128  # about one wave of thread blocks on a current datacenter GPU (132 SMs on H100/H200)
+MIN_BLOCKS_PER_SPLIT = 8
+
+
+def auto_splits(num_splits: int | None, B: int, K: int, S: int, block_k: int) -> int:
+    """Split-K factor: the given one, or (None) enough splits that `B * K * splits` fills about one wave of the GPU
+    while each split keeps at least 8 blocks (an untuned heuristic, see README)."""
+    if num_splits is not None:
+        return max(1, int(num_splits))
+    want = max(1, TARGET_PROGRAMS // max(1, B * K))
+    cap = max(1, S // (MIN_BLOCKS_PER_SPLIT * block_k))
+    return 1 << (min(want, cap).bit_length() - 1)

@@ -26,8 +26,8 @@ from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference as ref
 from pallas_kernels.backend import compiler_params, interpret_arg, resolve
 from pallas_kernels.flash import visible
-from pallas_kernels.layout import (next_pow2, positions_to_rows, queries_to_rows, row_count, rows_to_queries,
-                                   sinks_to_rows)
+from pallas_kernels.layout import (auto_splits, next_pow2, positions_to_rows, queries_to_rows, row_count,
+                                   rows_to_queries, sinks_to_rows)
 from pallas_kernels.quant_format import dequantize
 
 
@@ -71,7 +71,8 @@ def _kernel(qpos_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kpo
 
 
 def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_pos, q_pos, *, bits, group=32,
-                        window=None, scale=None, sinks=None, implementation=None, return_stats=False, num_splits=4):
+                        window=None, scale=None, sinks=None, implementation=None, return_stats=False,
+                        num_splits=None):
     """Attention over the quantized draft cache (format: `quant_format.py`).
 
     Args:
@@ -80,7 +81,8 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
             v_scale, v_zero: f32[B, K, S, 1]; k_pos: i32[B, S] position per slot (-1 empty).
         bits: 2 or 4; group: key group G (a power of two >= 16 for the Pallas path: one group per loop block).
         window, scale, sinks, implementation, return_stats: as `attention.attend`.
-        num_splits: split-K factor (grid axis; at most S // group), partials merged by `online_softmax.combine`.
+        num_splits: split-K factor (grid axis; at most S // group; None = `layout.auto_splits`), partials merged
+            by `online_softmax.combine`.
 
     Returns:
         [B, T, N, D] in q's dtype, or the un-normalised `(o, m, l)` with `return_stats`.
@@ -105,7 +107,7 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     rows = queries_to_rows(q.astype(jnp.float32), K, R)  # [B, K, R, D]
     q_planes = jnp.moveaxis(rows.reshape(B, K, R, D // per, per), -1, 2)  # [B, K, per, R, D / per]
     qpos_rows = positions_to_rows(q_pos, G, R)
-    splits = max(1, min(num_splits, S // group))
+    splits = max(1, min(auto_splits(num_splits, B, K, S, group), S // group))
     split_len = -(-S // (splits * group)) * group  # whole groups per split
     pad = split_len * splits - S
 
