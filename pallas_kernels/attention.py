@@ -13,9 +13,6 @@ implementation is the f32 reference of `reference.py`; the Pallas ones run `flas
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference as ref
 from pallas_kernels.backend import interpret_arg, resolve
