@@ -17,12 +17,19 @@ from tests.hf_models import make_hf_model
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # full layers (GQA 4/2); sliding ring + chunk layers
-def test_forward_pallas_interpret_matches_xla(tmp_path, family):
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("family,implementation", [
+    ("llama", "pallas_interpret"),  # full layers (GQA 4/2)
+    ("mistral", "pallas_interpret"),  # sliding layers: ring + new chunk, S not a power of two
+    pytest.param("llama", "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]),
+])
+def test_forward_pallas_matches_xla(tmp_path, family, implementation):
     _, path = make_hf_model(str(tmp_path), family)
     model = kvjax.load(path)
     cfg, params = model.config, model.params
-    fns = {name: make_attention_fn(name) for name in ("xla", "pallas_interpret")}
+    fns = {name: make_attention_fn(name) for name in ("xla", implementation)}
     chunk = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 20)).astype(np.int32)
     n_valid = jnp.asarray([20, 13], jnp.int32)  # ragged rows: padding tokens must be ignored identically
     nxt = jnp.asarray([[5], [7]], jnp.int32)
@@ -33,14 +40,14 @@ def test_forward_pallas_interpret_matches_xla(tmp_path, family):
         prefill_logits, cache = forward(params, cfg, cache, jnp.asarray(chunk), n_valid, attention_fn=fn)
         step_logits, _ = forward(params, cfg, cache, nxt, attention_fn=fn)
         out[name] = (prefill_logits, step_logits)
-    for got, want in zip(out["pallas_interpret"], out["xla"]):
+    for got, want in zip(out[implementation], out["xla"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_make_attention_fn_resolves():
     assert make_attention_fn("xla") is attend
-    # CPU backend: auto picks XLA
-    assert make_attention_fn(None) is attend
+    if not ON_GPU:  # auto picks XLA off the GPU
+        assert make_attention_fn(None) is attend
     with pytest.raises(ValueError, match="implementation must be one of"):
         make_attention_fn("triton")
 
