@@ -308,6 +308,9 @@ class VeriCacheScheduler:
             self._finish(s)
         else:
             self.limit[s] = min(self.x, r.need - 1)
+            if self.mode == "staggered" and self.limit[s] < self.x:
+                # a shortened last round would end where another request's round ends: pick its own iteration
+                self.limit[s] = self._phase(s, self.limit[s])
 
     def _finish(self, s: int) -> None:
         r = self.live.pop(s)
