@@ -39,10 +39,10 @@ from kvjax.decode import vericache as vc  # noqa: E402
 COMPRESSORS = {
     "streaming": dict(ratio=4.0),
     "snapkv": dict(ratio=4.0, obs_window=32),
-    "kvzip": dict(ratio=4.0, chunk=2048),
+    "kvzip": dict(ratio=4.0, chunk=512),
     "kivi4": dict(residual=128),
     "kivi2": dict(residual=128),
-    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=2048),
+    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
 }
 
 

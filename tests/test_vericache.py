@@ -90,12 +90,19 @@ def test_draft_len_must_fit_sliding_window(hf_model_dir):
 
 
 def test_no_recompile_after_warmup(llama):
-    prompts = _prompts(3, 48, seed=4)
-    vc.generate_vericache(llama, prompts[0], 12, compressor="streaming", draft_len=3)
-    counts = (compile_count(draft_steps.draft_step), compile_count(draft_steps.verify_step))
-    for p, n in zip(prompts[1:], (9, 17)):
+    """Runs of any length (same prompt length and x) compile nothing new: resident, offloaded and reference."""
+    prompts = _prompts(2, 48, seed=4)
+    jitted = (draft_steps.draft_step, draft_steps.verify_step, draft_steps.verify_offloaded, draft_steps.reference_step)
+
+    def run(p, n):
         vc.generate_vericache(llama, p, n, compressor="streaming", draft_len=3)
-    assert (compile_count(draft_steps.draft_step), compile_count(draft_steps.verify_step)) == counts
+        vc.generate_vericache(llama, p, n, compressor="streaming", draft_len=3, offload=True)
+        vc.reference_decode(llama, p, n, draft_len=3)
+
+    run(prompts[0], 12)
+    counts = [compile_count(f) for f in jitted]
+    run(prompts[1], 17)
+    assert [compile_count(f) for f in jitted] == counts
 
 
 def test_agreement_with_plain_decoding_reported(llama):
