@@ -165,3 +165,34 @@ def test_init_params_train_step_is_differentiable(hybrid):
     assert norms["['layers'][1]['attn']['compressor']['wgate']"] > 0
     assert norms["['layers'][0]['ffn']['w1']"] > 0
     assert norms["['layers'][0]['attn']['indexer']['weights_proj']"] == 0
+
+
+def test_training_config_exports_a_checkpoint_transformers_runs(tmp_path):
+    """config_for_training -> init_params -> params_to_tensors + hf_config_dict: transformers loads it and computes
+    the same logits as kvjax (the path scripts/train_tiny.py ships a trained hybrid checkpoint by)."""
+    import torch
+    from safetensors.numpy import save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = deepseek_v4.config_for_training(
+        vocab=61, eos=1, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        head_dim=16, q_lora_rank=16, o_lora_rank=8, index_head_dim=8, sliding_window=8,
+        layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"], compress_rates={CSA: 2, HCA: 4})
+    params = deepseek_v4.init_params(cfg, jax.random.PRNGKey(1), std=0.2)
+    assert all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree_util.tree_leaves(params))
+    save_file(deepseek_v4.params_to_tensors(cfg, params), str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(deepseek_v4.hf_config_dict(cfg), f)
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    ids = np.random.RandomState(0).randint(0, 61, size=23)
+    want = hf_logits(hf, ids)
+    loaded = kvjax.load(str(tmp_path))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(_leaf(loaded.params, path)))
+    assert np.abs(kvjax.logits(loaded, ids) - want).max() < 1e-4
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[k.key if hasattr(k, "key") else k.idx]
+    return tree

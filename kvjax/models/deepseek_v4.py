@@ -36,12 +36,16 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.hybrid_forms import CompressedKV, HybridCache, IndexerState, LayerState, Tail, init_cache
-from kvjax.models.deepseek_v4_config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
+from kvjax.models.deepseek_v4_config import (CSA, HASH_MOE, SLIDING, DeepseekV4Config, config_for_training,
+                                             hash_table, hf_config_dict)
 from kvjax.models.deepseek_v4_layers import (apply_rope, hyper_head, hyper_merge, hyper_weights, moe, pool_windows,
                                              rms_norm, rope_tables, sink_attention)
+from kvjax.models.deepseek_v4_weights import init_params, params_from_tensors, params_to_tensors
 
 Params = dict[str, Any]
-__all__ = ["forward", "forward_train", "init_cache", "HybridCache"]
+# the training entry points (scripts/train_tiny.py reads them off this module)
+__all__ = ["forward", "forward_train", "init_cache", "HybridCache", "config_for_training", "init_params",
+           "params_to_tensors", "params_from_tensors", "hf_config_dict"]
 
 
 def _compress(p: Params, config: DeepseekV4Config, comp: CompressedKV, tail: Tail, h: jax.Array, n_valid: jax.Array):
@@ -164,7 +168,10 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
         a, state = _attention(lp["attn"], config, kind, state, rms_norm(col, lp["attn_norm"], eps), positions, n_valid)
         x = hyper_merge(post, comb, a, x)
         post, comb, col = hyper_weights(lp["hc_ffn"], x, **hck)
-        f = moe(lp["ffn"], rms_norm(col, lp["ffn_norm"], eps), tokens, hashed=mlp_kind == HASH_MOE,
+        ffn = lp["ffn"]
+        if mlp_kind == HASH_MOE and "tid2eid" not in ffn:
+            ffn = dict(ffn, tid2eid=jnp.asarray(hash_table(config)))
+        f = moe(ffn, rms_norm(col, lp["ffn_norm"], eps), tokens, hashed=mlp_kind == HASH_MOE,
                 top_k=config.num_experts_per_tok, scoring=config.scoring_func,
                 scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
         x = hyper_merge(post, comb, f, x)

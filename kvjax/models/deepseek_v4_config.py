@@ -65,6 +65,9 @@ class DeepseekV4Config:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Training only: hash-MoE layers route by `hash_table(config)` (a fixed function of this seed) when the params
+    # carry no `tid2eid`, so training params stay all-float. Loaded checkpoints always carry their own table.
+    hash_seed: int | None = None
     family: str = FAMILY
 
     @property
@@ -241,6 +244,48 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV4Config:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def hash_table(config: DeepseekV4Config):
+    """i32[V, k] token -> experts table for hash-MoE layers: `num_experts_per_tok` distinct experts per token, a
+    fixed function of `config.hash_seed` (NumPy, built once at trace time)."""
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(config.hash_seed or 0)
+    r = rng.random((config.vocab_size, config.n_routed_experts))
+    return np.argsort(r, axis=1)[:, :config.num_experts_per_tok].astype(np.int32)
+
+
+# A small hybrid model that trains on a CPU: every layer type, hash and top-k MoE, plain rope.
+TRAINING_DEFAULTS = dict(
+    hidden_size=128, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+    q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
+    layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE, MOE],
+    compress_rates={CSA: 4, HCA: 32}, sliding_window=64, o_groups=2, o_lora_rank=64, index_n_heads=4,
+    index_head_dim=32, index_topk=16, hc_mult=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+)
+
+
+def config_for_training(vocab: int, eos: int | None = None, hash_seed: int = 0, **fields) -> DeepseekV4Config:
+    """A config for training from scratch: `TRAINING_DEFAULTS` updated by `fields` (transformers config names, e.g.
+    `hidden_size`, `layer_types`, `compress_rates`, or this dataclass's own names, e.g. `csa_rate`).
+
+    Raises:
+        UnsupportedConfigError: as `config_from_hf`; ValueError for a field neither spelling knows.
+    """
+    own = {f.name for f in dataclasses.fields(DeepseekV4Config)}
+    hf = dict(TRAINING_DEFAULTS, model_type=FAMILY, vocab_size=vocab, eos_token_id=eos, bos_token_id=None)
+    mine = {}
+    for k, v in fields.items():
+        if k in own and k not in hf and k not in ("vocab_size", "hidden_size"):
+            mine[k] = tuple(v) if isinstance(v, list) else v
+        else:
+            hf[k] = v
+    n = hf["num_hidden_layers"]
+    for k in ("layer_types", "mlp_layer_types"):
+        if len(hf[k]) != n and k not in fields:  # stretch the default pattern to the requested depth
+            hf[k] = [hf[k][min(i, len(hf[k]) - 1) if i < 2 else 1 + (i - 1) % (len(hf[k]) - 1)] for i in range(n)]
+    return dataclasses.replace(config_from_hf(hf), hash_seed=hash_seed, **mine)
 
 
 def _rope_dict(r: RopeConfig) -> dict[str, Any]:

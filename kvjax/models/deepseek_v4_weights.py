@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.common import np_dtype
-from kvjax.models.deepseek_v4_config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
+from kvjax.models.deepseek_v4_config import CSA, HASH_MOE, SLIDING, DeepseekV4Config, hash_table
 from kvjax.weights import WeightsError
 
 # Renames transformers applies when loading a DeepSeek-V4 checkpoint, in its order (after dropping "model.").
@@ -198,51 +198,62 @@ def params_from_tensors(config: DeepseekV4Config, tensors: dict[str, np.ndarray]
     return _layers_to_tuple(tree)
 
 
-def params_to_tensors(config: DeepseekV4Config, params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Params -> float32/int64 numpy tensors under the names transformers' `save_pretrained` writes (inverse of the
-    loader; `DeepseekV4ForCausalLM.from_pretrained` loads them)."""
+def params_to_tensors(config: DeepseekV4Config, params: dict[str, Any], dtype="f32") -> dict[str, np.ndarray]:
+    """Params -> numpy tensors under the names transformers' `save_pretrained` writes (inverse of the loader;
+    `DeepseekV4ForCausalLM.from_pretrained` loads them). Matrices in `dtype`; `F32_LEAVES` stay float32 (as
+    transformers keeps them); `tid2eid` is int64 (from `hash_table(config)` when the params carry none)."""
+    dt = np_dtype(dtype)
     out = {}
     for path, saved, _, how in _table(config):
-        x = np.asarray(_get(params, path))
-        out[saved] = x.astype(np.int64) if how == "int" else np.ascontiguousarray(_from_param(x.astype(np.float32), how))
+        if how == "int":
+            try:
+                x = np.asarray(_get(params, path))
+            except KeyError:
+                x = hash_table(config)
+            out[saved] = x.astype(np.int64)
+            continue
+        x = _from_param(np.asarray(_get(params, path)).astype(np.float32), how)
+        out[saved] = np.ascontiguousarray(x.astype(np.float32 if path[-1] in F32_LEAVES else dt))
     for i in range(config.num_layers):
         ffn = params["layers"][i]["ffn"]
         for w in ("w1", "w2", "w3"):
             arr = np.asarray(ffn[w]).astype(np.float32)
             for e in range(arr.shape[0]):
-                out[f"model.layers.{i}.ffn.experts.{e}.{w}.weight"] = np.ascontiguousarray(arr[e].T)
+                out[f"model.layers.{i}.ffn.experts.{e}.{w}.weight"] = np.ascontiguousarray(arr[e].T.astype(dt))
     return out
 
 
 def init_params(config: DeepseekV4Config, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict[str, Any]:
     """Random params for training from scratch: normal(std) matrices, unit norm weights, zero sinks / position
     biases / hyper-connection bases, unit hyper-connection scales (transformers' `_init_weights`), and a hash table
-    giving each token `num_experts_per_tok` distinct experts. `F32_LEAVES` stay float32 whatever `dtype` is."""
-    rows = _table(config)
-    keys = jax.random.split(key, len(rows) + 3 * config.num_layers + 1)
+    giving each token `num_experts_per_tok` distinct experts (`hash_table`; held in the params only when
+    `config.hash_seed` is None). `F32_LEAVES` stay float32 whatever `dtype` is.
+
+    Drawn with NumPy from a seed taken off `key`: a few hundred eager `jax.random` calls took ~15 s on the shared CPU.
+    """
+    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    rng = np.random.default_rng([int(v) for v in np.asarray(data).reshape(-1)])
     tree: dict[str, Any] = {"layers": {}}
-    for (path, saved, shape, how), k in zip(rows, keys):
+
+    def normal(shape, dt):
+        return jnp.asarray((std * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype(dt)))
+
+    for path, _, shape, how in _table(config):
         leaf = path[-1]
         pshape = tuple(_to_param(np.zeros(shape, np.float32), how, config).shape)
         if how == "int":
-            E, kk = config.n_routed_experts, config.num_experts_per_tok
-            perm = jax.vmap(lambda kk_: jax.random.permutation(kk_, E))(jax.random.split(k, config.vocab_size))
-            _set(tree, path, perm[:, :kk].astype(jnp.int32))
+            if config.hash_seed is None:  # else the forward derives the table from the seed: params stay all-float
+                _set(tree, path, jnp.asarray(hash_table(config)))
         elif leaf in ("sinks", "ape", "base", "bias"):
             _set(tree, path, jnp.zeros(pshape, jnp.float32))
         elif leaf in ("scale", "final_norm", "attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm"):
             _set(tree, path, jnp.ones(pshape, jnp.float32))
-        elif leaf == "fn":
-            _set(tree, path, (std * jax.random.normal(k, pshape)).astype(jnp.float32))
         else:
-            _set(tree, path, (std * jax.random.normal(k, pshape)).astype(dtype))
+            _set(tree, path, normal(pshape, jnp.float32 if leaf == "fn" else dtype))
     E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-    ks = keys[len(rows):]
     for i in range(config.num_layers):
         ffn = tree["layers"][i]["ffn"]
-        ffn["w1"] = (std * jax.random.normal(ks[3 * i], (E, H, I))).astype(dtype)
-        ffn["w3"] = (std * jax.random.normal(ks[3 * i + 1], (E, H, I))).astype(dtype)
-        ffn["w2"] = (std * jax.random.normal(ks[3 * i + 2], (E, I, H))).astype(dtype)
+        ffn["w1"], ffn["w3"], ffn["w2"] = normal((E, H, I), dtype), normal((E, H, I), dtype), normal((E, I, H), dtype)
     return _layers_to_tuple(tree)
 
 
