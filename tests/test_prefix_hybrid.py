@@ -8,6 +8,7 @@ import pytest
 from test_deepseek_v4_models import make_v4
 
 import kvjax
+from kvjax.cache import hybrid_layout, tiers
 from kvjax.cache.identity import make_namespace
 from kvjax.cache.layout import forms_for
 from kvjax.cache.manager import PrefixCache
@@ -39,7 +40,12 @@ def test_hit_equals_cold_around_block_and_compression_boundaries(v4):
     base = rng.integers(0, 97, 48).astype(np.int32)
     pc = new_cache(v4)
     prefill_with_prefix_cache(v4, base, pc, capacity=256, chunk=CHUNK)
-    for shared in [3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 48]:
+    fns = [hybrid_layout._restore, hybrid_layout._blocks, hybrid_layout._snapshot, hybrid_layout._v4_step,
+           tiers._pool_gather, tiers._pool_put, tiers.take_one]
+    before = None
+    for i, shared in enumerate([3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 48]):
+        if i == 8:  # warm: misses, a first hit restoring every form from the device
+            before = [f._cache_size() for f in fns]
         tail = rng.integers(0, 97, max(1, 52 - shared))
         if shared < base.size:
             tail[0] = (base[shared] + 1) % 97
@@ -51,6 +57,7 @@ def test_hit_equals_cold_around_block_and_compression_boundaries(v4):
         if plan.boundary:
             assert all(plan.forms[f].used for f in ("compressed", "indexer", "swa", "tail")), plan.summary()
     assert pc.stats()["hit_tokens"] > 0
+    assert [f._cache_size() for f in fns] == before, "a hit of a new length compiled something"
 
 
 def test_host_tier_hit_equals_cold(v4):

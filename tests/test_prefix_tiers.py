@@ -146,3 +146,22 @@ def test_store_timeout_is_a_capacity_miss_and_recomputes(model, tmp_path):
     assert plan.boundary == 0 and "store" not in plan.tiers
     assert pc2.stats()["misses"]["capacity"]["tier timeout"] > 0
     np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)
+
+
+def test_eviction_is_lru_with_priority(model):
+    forms = forms_for(model.config, np.float32, P)
+    pc = PrefixCache(forms, device_bytes=1 << 20, host_bytes=0)
+    ns = model_namespace(model, pc)
+    a = (np.arange(40) * 3 % 97).astype(np.int32)
+    b = (np.arange(40) * 5 % 97 + 1).astype(np.int32)
+    c = (np.arange(40) * 7 % 97 + 2).astype(np.int32)
+    prefill_with_prefix_cache(model, a, pc, capacity=CAP, chunk=CHUNK, priority=1)  # oldest but high priority
+    prefill_with_prefix_cache(model, b, pc, capacity=CAP, chunk=CHUNK)
+    prefill_with_prefix_cache(model, c, pc, capacity=CAP, chunk=CHUNK)
+    pc.evict("dense", "device", 2)  # b's two blocks: lowest priority, least recent
+    reuse = {}
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        plan = pc.lookup(ns, t)
+        plan.lease.release()
+        reuse[name] = plan.forms["dense"].reusable
+    assert reuse == {"a": 32, "b": 0, "c": 32}

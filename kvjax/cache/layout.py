@@ -188,6 +188,7 @@ class LlamaForms:
                         full=self.full, sliding=self.sliding)
 
     def new_cache(self, capacity: int) -> ModelCache:
+        check_block_size(self.block_size, capacities=(capacity,))
         return init_cache(self.config, 1, capacity, self.dtype)
 
     def prefill_chunk(self, params, cache, tokens, n_valid):
