@@ -141,12 +141,15 @@ class VeriCacheScheduler:
         max_slots: upper bound on the draft-batch slots (the budget may allow fewer).
         verify_slots: full caches allowed on the device at once (being fetched or verified).
         recent_slots: draft ring slots for decoded tokens (default max_new + x + 2, at least 64).
+        tail_capacity: slots of each request's decoded-token tail (default: the bucket for max_new + x + 2); fixing
+            it (and recent_slots) lets a short warm-up run compile the shapes of a long one.
         temperature: 0 = greedy, > 0 = position-keyed sampling (exact in the same sense).
     """
 
     def __init__(self, model, *, budget_bytes: int, compressor: str | Compressor = "streaming",
                  compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", max_slots: int = 16,
-                 verify_slots: int = 1, recent_slots: int | None = None, temperature: float = 0.0):
+                 verify_slots: int = 1, recent_slots: int | None = None, tail_capacity: int | None = None,
+                 temperature: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if verify_slots < 1 or max_slots < 1:
@@ -160,6 +163,7 @@ class VeriCacheScheduler:
         self.max_slots = max_slots
         self.verify_slots = verify_slots
         self.recent_slots = recent_slots
+        self.tail_capacity = tail_capacity
         self.temperature = temperature
 
     # ------------------------------------------------------------ run
@@ -344,7 +348,12 @@ class VeriCacheScheduler:
         return 2 * n_full * cfg.num_kv_heads * cap * cfg.head_dim * item
 
     def _tail_cap(self, req) -> int:
-        return pick_capacity(req.max_new_tokens + self.x + 2, CAPACITY_BUCKETS)
+        need = req.max_new_tokens + self.x + 2
+        if self.tail_capacity is not None:
+            if self.tail_capacity < need:
+                raise ValueError(f"tail_capacity {self.tail_capacity} < {need} (max_new_tokens + x + 2)")
+            return self.tail_capacity
+        return pick_capacity(need, CAPACITY_BUCKETS)
 
     def _admit_one(self, idx: int, req: Request) -> bool:
         t0 = time.perf_counter()

@@ -1,0 +1,264 @@
+"""Benchmark: many long requests on one device under a device-memory budget, three contenders in one run.
+
+  - full:                 full-cache batched decoding, as many requests at once as the budget holds
+                          (`FullCacheScheduler`, plain one-token forward, continuous batching);
+  - vericache-lockstep:   VeriCache, every request drafts x tokens (one batched call), then every request verifies
+                          in turn (fetch its full cache from pinned host memory, verify) — nothing overlapped;
+  - vericache-staggered:  VeriCache, one batched draft token per iteration, ~1/x of the requests verify per
+                          iteration, the next full cache copied while the drafting runs.
+
+Every request's prompt is prefilled ONCE (not timed; its full cache waits in pinned host memory like a prefix-cache
+hit) and its output is checked against kvjax's full-cache reference decode (`identical_fraction`). Each contender
+first runs a short warm-up with the same shapes (compiles), then the timed run. Prints a table, the throughput the
+lock-step run's measured per-phase costs predict for perfect staggering ("ideal"), writes JSON and a PNG of
+throughput and measured device memory over time.
+
+Default budget: two full caches plus one layer of admission scratch ("a budget that holds two full caches").
+
+Full-size run (the issue's target): python scripts/bench_scheduler.py --requests 16 --context 16384 --new-tokens 256
+Reduced run:                          python scripts/bench_scheduler.py --requests 4 --context 4096 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvjax import offload as offl  # noqa: E402
+from kvjax.cache.forms import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
+from kvjax.decode import draft_steps  # noqa: E402
+from kvjax.decode import scheduler as sch  # noqa: E402
+from kvjax.decode.scheduler_full import FullCacheScheduler  # noqa: E402
+
+COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
+                 "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128)}
+
+
+def load_model(checkpoint: str, random: bool):
+    from kvjax import api
+    from kvjax.config import FULL, ModelConfig, RopeConfig
+    from kvjax.models import llama
+
+    if not random and os.path.exists(os.path.join(checkpoint, "config.json")):
+        return api.load(checkpoint), checkpoint
+    if not random:
+        print(f"[bench] no trained checkpoint in {checkpoint}: using a random model of its shape", flush=True)
+    tok = None
+    if os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
+        from kvjax.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(checkpoint)
+    V = tok.vocab_size if tok is not None else 4096
+    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
+                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
+                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
+    params = llama.init_params(cfg, jax.random.key(0))
+    return api.Model(config=cfg, params=params, tokenizer=tok, path=None, dtype="f32"), "random-init"
+
+
+def get_prompts(model, n_tokens: int, count: int, seed: int):
+    if model.tokenizer is not None:
+        try:
+            from kvjax.data import corpus
+
+            ps = corpus.long_prompts(model.tokenizer, n_tokens, count, seed)
+            return [np.asarray(p, np.int32)[:n_tokens] for p in ps], "heldout corpus"
+        except Exception as e:  # noqa: BLE001 - fall back loudly
+            print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
+
+
+def reference(model, prefilled, M: int, x: int) -> np.ndarray:
+    """kvjax's full-cache reference decode (verify shape, row 0) from a prefilled host cache."""
+    full, first = prefilled
+    full = offl.fetch(full)
+    seed = jnp.zeros((1,), jnp.int32)
+    tok, out = first, [int(first[0])]
+    for _ in range(M - 1):
+        tok, _, full = draft_steps.reference_step(model.params, model.config, full, tok, seed, x=x)
+        out.append(int(tok[0]))
+    return np.asarray(out, np.int32)
+
+
+def ideal_staggered(lock: dict, stag: dict, tokens: int) -> dict:
+    """Wall time and tokens/s perfect staggering would reach with the lock-step run's measured per-phase costs.
+
+    Per drafted token-step t_d (a batched draft call of all slots), per verification t_f (host->device copy of the
+    full cache) and t_v (verify compute), per admission t_a. Staggered: its own counts of draft steps D, verifications
+    V, admissions A; the copies hide under the drafting: wall = D t_d + V t_v + max(0, V t_f - D t_d) + A t_a.
+    """
+    ls = lock["stats"]
+    t_d = ls["draft_s"] / max(ls["draft_steps"], 1)
+    t_f = ls["fetch_s"] / max(ls["verifications"], 1)
+    t_v = ls["verify_s"] / max(ls["verifications"], 1)
+    t_a = ls["admit_s"] / max(ls["admissions"], 1)
+    ss = stag["stats"]
+    D, V, A = ss["draft_steps"], ss["verifications"], ss["admissions"]
+    wall = D * t_d + V * t_v + max(0.0, V * t_f - D * t_d) + A * t_a
+    return dict(draft_step_s=t_d, fetch_s=t_f, verify_s=t_v, admit_s=t_a, draft_steps=D, verifications=V,
+                admissions=A, wall_s=wall, tokens_per_s=tokens / wall)
+
+
+def plot(path: str, results: list, budget: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for r in results:
+        tl = np.asarray(r["timeline"], np.float64)
+        if tl.size == 0:
+            continue
+        t, mem, tok = tl[:, 0], tl[:, 1], tl[:, 3]
+        # throughput over a sliding window of ~1/20 of the run
+        w = max(t[-1] / 20, 1e-3)
+        j = np.searchsorted(t, t - w)
+        rate = (tok - tok[j]) / np.maximum(t - t[j], 1e-9)
+        a1.plot(t, rate, label=f"{r['name']} ({r['tokens_per_s']:.0f} tok/s)")
+        a2.plot(t, mem / 2**20, label=r["name"])
+    a2.axhline(budget / 2**20, color="k", ls="--", lw=1, label="budget")
+    a1.set_ylabel("tokens/s (sliding window)")
+    a2.set_ylabel("measured device MiB")
+    a2.set_xlabel("seconds")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    a1.set_title("many requests under one device budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--random", action="store_true", help="random model of the checkpoint's shape")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--context", type=int, default=16384, help="cache bucket; prompts fill it minus new tokens")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--budget-bytes", type=int, default=None, help="default: two full caches + one layer")
+    ap.add_argument("--draft-len", type=int, default=16)
+    ap.add_argument("--compressor", default="streaming", choices=sorted(COMPRESSOR_KW))
+    ap.add_argument("--ratio", type=float, default=None, help="compression ratio (token-dropping compressors)")
+    ap.add_argument("--max-slots", type=int, default=16)
+    ap.add_argument("--verify-slots", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_scheduler.json")
+    ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
+    args = ap.parse_args(argv)
+
+    model, model_name = load_model(args.checkpoint, args.random)
+    R, M, x = args.requests, args.new_tokens, args.draft_len
+    P = args.context - M - x - 2  # prompt + new tokens + one verify block fill the --context bucket
+    prompts, source = get_prompts(model, P, R, args.seed)
+    ckw = dict(COMPRESSOR_KW[args.compressor])
+    if args.ratio is not None:
+        ckw["ratio"] = args.ratio
+
+    t0 = time.perf_counter()
+    pre = [sch.prefill_request(model, p, M, draft_len=x) for p in prompts]
+    t_prefill = time.perf_counter() - t0
+    full_bytes = sum(l.k.nbytes + l.v.nbytes for l in pre[0][0].layers)
+    if args.budget_bytes is None:  # exactly two slots of the full-cache batch plus its one-layer admission scratch
+        probe = [sch.Request(prompt=p, max_new_tokens=M, prefilled=pp) for p, pp in zip(prompts, pre)]
+        _, _, per, scratch = FullCacheScheduler(model, budget_bytes=1 << 62, draft_len=x).slots_for(probe)
+        budget = 2 * per + scratch
+    else:
+        budget = args.budget_bytes
+    print(f"[bench] {R} requests x {P} prompt tokens ({source}, model {model_name}); {M} new tokens; x = {x}; "
+          f"compressor {args.compressor} {ckw}; full cache {full_bytes / 2**20:.1f} MiB/request; "
+          f"budget {budget / 2**20:.1f} MiB ({budget / full_bytes:.2f} full caches); prefill {t_prefill:.1f}s",
+          flush=True)
+
+    t0 = time.perf_counter()
+    refs = [reference(model, p, M, x) for p in pre]
+    print(f"[bench] references {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def requests(m):
+        return [sch.Request(prompt=p, max_new_tokens=m, prefilled=pp) for p, pp in zip(prompts, pre)]
+
+    recent = max(64, M + x + 2)
+    tail_cap = pick_capacity(M + x + 2, CAPACITY_BUCKETS)
+    contenders = [
+        ("full", lambda: FullCacheScheduler(model, budget_bytes=budget, draft_len=x, max_slots=args.max_slots)),
+        ("vericache-lockstep", lambda: sch.VeriCacheScheduler(
+            model, budget_bytes=budget, compressor=args.compressor, compressor_kw=ckw, draft_len=x, mode="lockstep",
+            max_slots=args.max_slots, verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
+        ("vericache-staggered", lambda: sch.VeriCacheScheduler(
+            model, budget_bytes=budget, compressor=args.compressor, compressor_kw=ckw, draft_len=x, mode="staggered",
+            max_slots=args.max_slots, verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
+    ]
+    results = []
+    for name, make in contenders:
+        t0 = time.perf_counter()
+        make().run(requests(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
+        t_warm = time.perf_counter() - t0
+        res = make().run(requests(M))
+        same = [np.array_equal(res.outputs[i], refs[i]) for i in range(R)]
+        match = [float(np.mean(res.outputs[i] == refs[i])) for i in range(R)]
+        rec = dict(name=name, tokens_per_s=res.tokens_per_s, peak_device_bytes=res.peak_measured_bytes,
+                   peak_reserved_bytes=res.peak_reserved_bytes, allocator_peak_bytes=res.device_peak_bytes,
+                   budget_bytes=budget, within_budget=res.peak_measured_bytes <= budget,
+                   identical_fraction=float(np.mean(same)), token_match_fraction=float(np.mean(match)),
+                   wall_s=res.wall_s, tokens=res.tokens, warmup_s=t_warm,
+                   stats={k: v for k, v in res.stats.items() if k != "verifies_per_iteration"},
+                   timeline=res.timeline)
+        vpi = res.stats.get("verifies_per_iteration")
+        if vpi:
+            rec["stats"]["mean_verifies_per_iteration"] = float(np.mean(vpi))
+            rec["stats"]["max_verifies_per_iteration"] = int(np.max(vpi))
+        results.append(rec)
+        print(f"[bench] {name}: {res.tokens_per_s:.1f} tok/s, wall {res.wall_s:.1f}s, slots {res.stats['slots']}, "
+              f"peak {res.peak_measured_bytes / 2**20:.1f} MiB, identical {rec['identical_fraction']:.2f}", flush=True)
+
+    by = {r["name"]: r for r in results}
+    full_tps = by["full"]["tokens_per_s"]
+    for r in results:
+        r["speedup_vs_full"] = r["tokens_per_s"] / full_tps
+    ideal = ideal_staggered(by["vericache-lockstep"], by["vericache-staggered"], by["vericache-staggered"]["tokens"])
+    st = by["vericache-staggered"]
+    ideal.update(speedup_vs_full=ideal["tokens_per_s"] / full_tps,
+                 achieved_fraction=st["tokens_per_s"] / ideal["tokens_per_s"])
+    ratios = dict(staggered_vs_full=st["speedup_vs_full"],
+                  staggered_vs_lockstep=st["tokens_per_s"] / by["vericache-lockstep"]["tokens_per_s"],
+                  lockstep_vs_full=by["vericache-lockstep"]["speedup_vs_full"])
+
+    print(f"\n{'contender':22s} {'tok/s':>8s} {'vs full':>8s} {'slots':>6s} {'peak MiB':>9s} {'budget':>7s} "
+          f"{'ident':>6s} {'acc/rd':>7s} {'verif/it':>8s}")
+    for r in results:
+        s = r["stats"]
+        acc = s.get("mean_accepted_per_round")
+        print(f"{r['name']:22s} {r['tokens_per_s']:8.1f} {r['speedup_vs_full']:8.2f} {s['slots']:6d} "
+              f"{r['peak_device_bytes'] / 2**20:9.1f} {budget / 2**20:7.1f} {r['identical_fraction']:6.2f} "
+              f"{'-' if acc is None else f'{acc:.2f}':>7s} "
+              f"{s.get('mean_verifies_per_iteration', float('nan')):8.2f}")
+    print(f"\nratios: staggered/full {ratios['staggered_vs_full']:.2f}x, staggered/lock-step "
+          f"{ratios['staggered_vs_lockstep']:.2f}x, lock-step/full {ratios['lockstep_vs_full']:.2f}x")
+    print(f"ideal staggered (lock-step's per-phase costs: draft step {1e3 * ideal['draft_step_s']:.2f} ms, copy "
+          f"{1e3 * ideal['fetch_s']:.2f} ms, verify {1e3 * ideal['verify_s']:.2f} ms, admission "
+          f"{1e3 * ideal['admit_s']:.1f} ms): {ideal['tokens_per_s']:.1f} tok/s = {ideal['speedup_vs_full']:.2f}x full; "
+          f"achieved {100 * ideal['achieved_fraction']:.0f}% of it")
+
+    out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
+                           compressor=args.compressor, compressor_kw=ckw, budget_bytes=budget,
+                           full_cache_bytes=full_bytes, prompt_source=source, model=model_name,
+                           verify_slots=args.verify_slots, prefill_s=t_prefill, devices=str(jax.devices())),
+               ratios=ratios, ideal_staggered=ideal, records=results)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    png = args.plot or os.path.splitext(args.json)[0] + ".png"
+    plot(png, results, budget)
+    print(f"[bench] wrote {args.json} and {png}")
+
+
+if __name__ == "__main__":
+    main()
