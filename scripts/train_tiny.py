@@ -118,7 +118,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--yarn-factor", type=float, default=16.0)
     ap.add_argument("--eval-contexts", default="2048,8192,16384,32768")
-    ap.add_argument("--eval-windows", type=int, default=4)
+    ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hybrid-config", default=None, help="JSON of DeepSeek-V4 config fields (deepseek_v4 only)")
     args = ap.parse_args(argv)
@@ -140,7 +140,8 @@ def main(argv=None):
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     print(f"params {n_params:,}", flush=True)
 
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps, end_value=args.lr * 0.05)
+    warmup = min(args.warmup, max(1, args.steps // 4))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.05)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1))
     opt_state = opt.init(params)
     step = make_step(family, cfg, opt)
@@ -164,15 +165,7 @@ def main(argv=None):
     # Ship bf16 weights; evaluate exactly what is shipped (bf16-rounded, computed in f32).
     shipped = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
     ship_cfg = with_long_context_rope(cfg, args.yarn_factor) if args.family == "llama" else cfg
-    ppl = {}
-    for c in [int(x) for x in args.eval_contexts.split(",") if x]:
-        if len(val) < c + 2:
-            stream = np.concatenate([val] * (c // len(val) + 2))
-        else:
-            stream = val
-        ppl[c] = eval_ppl(family, ship_cfg, shipped, stream, c, args.eval_windows)
-        print(f"val ppl @ {c}: {ppl[c]:.3f}", flush=True)
-
+    # Save first: evaluation at 32K tokens takes minutes on a CPU.
     os.makedirs(args.out, exist_ok=True)
     from safetensors.numpy import save_file
 
@@ -196,6 +189,23 @@ def main(argv=None):
     if os.path.abspath(args.tokenizer) != os.path.abspath(args.out):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(args.tokenizer, name), os.path.join(args.out, name))
+    ppl = {}
+    for c in [int(x) for x in args.eval_contexts.split(",") if x]:
+        if len(val) < c + 2:
+            stream = np.concatenate([val] * (c // len(val) + 2))
+        else:
+            stream = val
+        ppl[c] = eval_ppl(family, ship_cfg, shipped, stream, c, args.eval_windows)
+        print(f"val ppl @ {c}: {ppl[c]:.3f}", flush=True)
+
+    # The same weights without rope scaling, for the model card: what YaRN buys at long context.
+    ppl_plain = {}
+    if args.family == "llama" and ship_cfg is not cfg and ppl:
+        for c in sorted({min(ppl), max(ppl)}):
+            stream = val if len(val) >= c + 2 else np.concatenate([val] * (c // len(val) + 2))
+            ppl_plain[c] = eval_ppl(family, cfg, shipped, stream, c, max(1, args.eval_windows // 2))
+            print(f"val ppl @ {c} without rope scaling: {ppl_plain[c]:.3f}", flush=True)
+
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 if args.family == "llama" else None
     result = dict(
         family=args.family, params=n_params, weights_bytes_bf16=2 * n_params, kv_bytes_per_token_f32=kv_bytes_per_token,
@@ -203,6 +213,7 @@ def main(argv=None):
         short_context=args.short_context, short_fraction=args.short_fraction, lr=args.lr,
         train_seconds=round(train_s, 1), total_seconds=round(time.time() - t_start, 1),
         final_loss=log[-1]["loss"], val_ppl={str(k): round(v, 3) for k, v in ppl.items()},
+        val_ppl_without_rope_scaling={str(k): round(v, 3) for k, v in ppl_plain.items()},
         ppl_ratio_longest_vs_2k=round(ppl[max(ppl)] / ppl[min(ppl)], 3) if ppl else None,
         yarn_factor=args.yarn_factor, jax=jax.__version__, python=sys.version.split()[0], argv=sys.argv[1:], log=log,
     )

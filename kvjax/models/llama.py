@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
 from kvjax.config import SLIDING, ModelConfig
-from kvjax.models.attention import attend
+from kvjax.models.attention import default_attention
 from kvjax.models.common import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 
 Params = dict[str, Any]
@@ -71,7 +71,7 @@ def forward(
     tokens: jax.Array,
     n_valid: jax.Array | None = None,
     *,
-    attention_fn: AttentionFn = attend,
+    attention_fn: AttentionFn = default_attention,
     return_hidden: bool = False,
 ):
     """Run `T` new tokens per sequence through the model, appending them to `cache`.
