@@ -41,6 +41,11 @@ SPECS = {
 }
 
 
+# One indexer head: scores are w * relu(q . k), so every entry with q . k <= 0 (or a negative head weight) ties at 0;
+# top-k ties decide the selection everywhere.
+SPECS["ties"] = dict(SPECS["hybrid"], index_n_heads=1)
+
+
 @functools.lru_cache(maxsize=None)
 def make_v4(name: str = "hybrid", seed: int = 0):
     """(transformers model in eval mode, saved directory) for the tiny config `name`, random weights of useful size."""
@@ -67,9 +72,28 @@ def make_v4(name: str = "hybrid", seed: int = 0):
     return model, d
 
 
-def hf_logits(model, ids: np.ndarray) -> np.ndarray:
-    """transformers' uncached full forward: logits f32[T, V] for one sequence."""
+def hf_logits(model, ids: np.ndarray, *, lowest_index_ties: bool = False) -> np.ndarray:
+    """transformers' uncached full forward: logits f32[T, V] for one sequence.
+
+    lowest_index_ties: run it with `Tensor.topk` (the indexer's selection; the router calls `torch.topk`) replaced by
+    a stable sort, so ties go to the lowest index as in kvjax — torch leaves their order unspecified.
+    """
+    import collections
+
     import torch
 
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids)[None], dtype=torch.long), use_cache=False).logits[0].numpy()
+    topk = torch.Tensor.topk
+    if lowest_index_ties:
+        TopK = collections.namedtuple("TopK", "values indices")
+
+        def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+            assert largest
+            v, i = torch.sort(self, dim=dim, descending=True, stable=True)
+            return TopK(v.narrow(dim, 0, k), i.narrow(dim, 0, k))
+
+        torch.Tensor.topk = stable_topk
+    try:
+        with torch.no_grad():
+            return model(torch.tensor(np.asarray(ids)[None], dtype=torch.long), use_cache=False).logits[0].numpy()
+    finally:
+        torch.Tensor.topk = topk
