@@ -48,6 +48,10 @@ def test_host_tier_hit_equals_cold(model):
     np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)
     st = pc.stats()
     assert st["reused_tokens"]["dense"]["host"] == 96 and st["events"]["demoted"] >= 7
+    # the hit promoted what it read back to the device
+    got, plan = run(model, pc, PROMPT)
+    assert plan.forms["dense"].used == {"device": 6} and plan.forms["swa"].used == {"device": 1}
+    np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)
 
 
 def test_evicted_is_a_capacity_miss_with_reason(model):

@@ -349,6 +349,7 @@ class PrefixCache:
                     else:
                         rows = self._zero((spec.name, maxB), (maxB,) + spec.entry_shape, spec.dtype)
                     staged[spec.name] = self.pools[spec.name].gather(slots, rows, from_staged)
+                    self._promote(spec, [blk.path[spec.name] for blk in fp.blocks], fp.tiers, staged[spec.name])
                 else:
                     if not fp.blocks:
                         staged[spec.name] = self._zero(spec.name, spec.entry_shape, spec.dtype)
@@ -365,6 +366,7 @@ class PrefixCache:
                         if bad:
                             raise RuntimeError(f"store entry of {spec.name} failed byte checks: {bad}")
                         staged[spec.name] = jax.device_put(x, device_sharding())
+                    self._promote(spec, [e], [tier], staged[spec.name][None])
             m = self.metrics
             m.hit_tokens += b
             for spec in self.forms.specs:
@@ -375,6 +377,22 @@ class PrefixCache:
                 if spec.kind == PATH and fp.tiers and b % P:  # the last block is used in part
                     m.reused_tokens[spec.name][fp.tiers[-1]] -= P - b % P
         return self.forms.restore(cache, staged, b)
+
+    def _promote(self, spec, entries, tiers_read, rows) -> None:
+        """Give entries just read from host/store a device copy too, if free slots allow it (no eviction for it).
+
+        `rows` [M, *entry] holds entry j at row j (already on the device). All or nothing, like every allocation.
+        """
+        idx = [j for j, (e, t) in enumerate(zip(entries, tiers_read)) if t != DEVICE and e.slot is None]
+        pool = self.pools[spec.name]
+        if not idx or len(idx) > len(pool.free):
+            return
+        slots = pool.reserve(len(idx))
+        pool.put(rows, idx, slots)
+        for j, s in zip(idx, slots):
+            entries[j].slot = s
+            self.members[spec.name][DEVICE][entries[j]] = None
+        self.metrics.events["promoted"] += len(idx)
 
     def _max_blocks(self, cache) -> int:
         return cache.capacity // self.P
