@@ -28,22 +28,19 @@ SPECS = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         max_position_embeddings=256, eos_token_id=None, bos_token_id=None),
     # Other switches: tied embeddings, sigmoid router scores, plain compress rope, one output group, hc_mult 3,
-    # HCA first (the V4 default order), CSA with m = 2 and a window of 12.
+    # HCA first (the V4 default order), CSA with m = 2 and a window of 12. One indexer head: scores are
+    # w * relu(q . k), so every entry with q . k <= 0 (or with a negative head weight) ties at 0 and top-k ties
+    # decide the selection everywhere.
     "variant": dict(
         vocab_size=89, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,
         head_dim=24, q_lora_rank=32, num_experts_per_tok=3, n_routed_experts=5, scoring_func="sigmoid",
         layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-        sliding_window=12, o_groups=1, o_lora_rank=20, index_n_heads=16, index_head_dim=8, index_topk=4,
+        sliding_window=12, o_groups=1, o_lora_rank=20, index_n_heads=1, index_head_dim=8, index_topk=4,
         partial_rotary_factor=1 / 3, hc_mult=3, hc_sinkhorn_iters=7, tie_word_embeddings=True,
         max_position_embeddings=256, eos_token_id=None, bos_token_id=None),
 }
-
-
-# One indexer head: scores are w * relu(q . k), so every entry with q . k <= 0 (or a negative head weight) ties at 0;
-# top-k ties decide the selection everywhere.
-SPECS["ties"] = dict(SPECS["hybrid"], index_n_heads=1)
 
 
 @functools.lru_cache(maxsize=None)
