@@ -151,6 +151,7 @@ def main(argv=None):
     ap.add_argument("--ratio", type=float, default=None, help="compression ratio (token-dropping compressors)")
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--verify-slots", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per contender; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_scheduler.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
@@ -202,14 +203,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         make().run(requests(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
         t_warm = time.perf_counter() - t0
-        res = make().run(requests(M))
+        runs = sorted((make().run(requests(M)) for _ in range(args.repeats)), key=lambda r: r.wall_s)
+        res = runs[0]  # best of --repeats: the shared CPU's interference only ever slows a run down
         same = [np.array_equal(res.outputs[i], refs[i]) for i in range(R)]
         match = [float(np.mean(res.outputs[i] == refs[i])) for i in range(R)]
         rec = dict(name=name, tokens_per_s=res.tokens_per_s, peak_device_bytes=res.peak_measured_bytes,
                    peak_reserved_bytes=res.peak_reserved_bytes, allocator_peak_bytes=res.device_peak_bytes,
                    budget_bytes=budget, within_budget=res.peak_measured_bytes <= budget,
                    identical_fraction=float(np.mean(same)), token_match_fraction=float(np.mean(match)),
-                   wall_s=res.wall_s, tokens=res.tokens, warmup_s=t_warm,
+                   wall_s=res.wall_s, tokens=res.tokens, warmup_s=t_warm, repeat_walls=[r.wall_s for r in runs],
                    stats={k: v for k, v in res.stats.items() if k != "verifies_per_iteration"},
                    timeline=res.timeline)
         vpi = res.stats.get("verifies_per_iteration")
@@ -251,7 +253,8 @@ def main(argv=None):
     out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
                            compressor=args.compressor, compressor_kw=ckw, budget_bytes=budget,
                            full_cache_bytes=full_bytes, prompt_source=source, model=model_name,
-                           verify_slots=args.verify_slots, prefill_s=t_prefill, devices=str(jax.devices())),
+                           verify_slots=args.verify_slots, prefill_s=t_prefill, devices=str(jax.devices()),
+                           repeats=args.repeats),
                ratios=ratios, ideal_staggered=ideal, records=results)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
