@@ -1,7 +1,6 @@
 """Prefix-cache hits give the same output as a cold run (Llama family: full + sliding layers), compile once, and
 plan exactly what they restore."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

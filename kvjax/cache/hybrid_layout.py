@@ -102,8 +102,8 @@ def _restore(cache: HybridCache, comp, idx, swa, tail, boundary, *, P: int):
         return dataclasses.replace(t, **new, seen=seen)
 
     for li, st in enumerate(cache.layers):
-        win = dataclasses.replace(st.window, kv=jnp.where(use, swa[li], st.window.kv[0])[None].astype(st.window.kv.dtype),
-                                  seen=seen)
+        ring = jnp.where(use, swa[li], st.window.kv[0])[None].astype(st.window.kv.dtype)
+        win = dataclasses.replace(st.window, kv=ring, seen=seen)
         if st.compressed is None:
             layers.append(dataclasses.replace(st, window=win))
             continue
@@ -159,8 +159,8 @@ class HybridForms:
         specs.append(FormSpec("swa", SNAPSHOT, tuple(range(len(kinds))), (len(kinds), W, D), self.dtype.name, "LWD"))
         probe = jax.eval_shape(lambda: _snapshot(init_cache(config, 1, P, self.dtype)))
         if probe[1] is not None:
-            specs.append(FormSpec("tail", SNAPSHOT, comp_layers, tuple(probe[1].shape), self.dtype.name,
-                                  "flat[tails:kv,gate,overlap_kv,overlap_gate per compressor, indexer after its layer]"))
+            layout = "flat[tails:kv,gate,overlap_kv,overlap_gate per compressor, indexer after its layer]"
+            specs.append(FormSpec("tail", SNAPSHOT, comp_layers, tuple(probe[1].shape), self.dtype.name, layout))
         self.specs = tuple(specs)
         self._names = [s.name for s in specs]
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow, init_cache
+from kvjax.cache.forms import DenseKV, ModelCache, init_cache
 from kvjax.cache.identity import digest
 from kvjax.config import SLIDING, ModelConfig
 

@@ -11,7 +11,6 @@ generation; it never changes what an available entry means. Every state change h
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
 import threading
@@ -22,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.entry import Entry, Metrics
 from kvjax.cache.identity import ROOT_KEY, Namespace, block_keys
 from kvjax.cache.layout import PATH, SNAPSHOT, FormSet
 from kvjax.cache.plan import CAPACITY, COMPATIBILITY, FormPlan, Lease, Plan, Shortfall
 from kvjax.cache.radix import Block, RadixTree
+from kvjax.cache.store_index import load_store_index
 from kvjax.cache.tiers import (DEVICE, HOST, STORE, TIERS, CorruptEntry, DevicePool, StoreTier, admission_caps,
                                check_bytes, device_sharding, take_one, to_host)
 
@@ -38,56 +39,6 @@ class _Replan(Exception):
     def __init__(self, cause: str, tiers=TIERS):
         super().__init__(cause)
         self.cause, self.tiers = cause, tiers
-
-
-@dataclasses.dataclass(eq=False)
-class Entry:
-    """One form's state for one block, and where its bytes are (any subset of the tiers)."""
-
-    form: str
-    block: Block
-    slot: int | None = None  # device pool slot
-    host: Any = None  # published pinned_host jax.Array
-    in_store: bool = False
-    pending: int = 0  # copies in flight (not visible)
-    pins: int = 0
-    generation: int = 0
-    why: str = "not admitted"  # why it is unavailable, when it is
-    last_access: int = 0
-    priority: int = 0
-
-    def tier(self, allowed=TIERS) -> str | None:
-        if self.slot is not None and DEVICE in allowed:
-            return DEVICE
-        if self.host is not None and HOST in allowed:
-            return HOST
-        if self.in_store and STORE in allowed:
-            return STORE
-        return None
-
-
-class Metrics:
-    """Counters: reuse per form and tier, misses by kind and cause (in tokens), lookup latency."""
-
-    def __init__(self):
-        self.lookups = 0
-        self.prompt_tokens = 0
-        self.hit_tokens = 0
-        self.lookup_ms: list[float] = []
-        self.reused_tokens = collections.defaultdict(collections.Counter)  # form -> tier -> tokens
-        self.reused_blocks = collections.defaultdict(collections.Counter)  # form -> tier -> entries
-        self.misses = {COMPATIBILITY: collections.Counter(), CAPACITY: collections.Counter(),
-                       "boundary": collections.Counter()}  # kind -> cause -> tokens
-        self.events = collections.Counter()  # evicted, demoted, not_admitted, corrupt, replans
-
-    def as_dict(self) -> dict:
-        ms = sorted(self.lookup_ms)
-        return dict(lookups=self.lookups, prompt_tokens=self.prompt_tokens, hit_tokens=self.hit_tokens,
-                    hit_rate=self.hit_tokens / max(self.prompt_tokens, 1),
-                    lookup_ms_p50=ms[len(ms) // 2] if ms else None, lookup_ms_max=ms[-1] if ms else None,
-                    reused_tokens={f: dict(c) for f, c in self.reused_tokens.items()},
-                    reused_blocks={f: dict(c) for f, c in self.reused_blocks.items()},
-                    misses={k: dict(c) for k, c in self.misses.items()}, events=dict(self.events))
 
 
 class PrefixCache:
@@ -637,64 +588,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------------------------ restart
     def _load_store_index(self) -> None:
-        """Rebuild trees and store-tier availability from the store (the cache survives a restart)."""
-        import json as _json
-
-        keys = self.store.list_keys()
-        by_ns = collections.defaultdict(list)
-        for k in keys:
-            ns_hex, _, rest = k.partition("/")
-            by_ns[ns_hex].append(rest)
-        for ns_hex, rests in by_ns.items():
-            doc = self.store.read_json(f"{ns_hex}/namespace.json")
-            if doc is None:
-                continue
-            ns = Namespace(semantic=doc["semantic"], representation=doc["representation"],
-                           tenant_salt=doc.get("tenant_salt", ""))
-            if ns.hex != ns_hex:
-                continue  # a tampered namespace record is ignored
-            self._store_ns.add(ns_hex)
-            recs = {}
-            futs = {r[len("blocks/"):]: self.store.kv.read(f"{ns_hex}/{r}") for r in rests if r.startswith("blocks/")}
-            for kh, f in futs.items():
-                raw = f.result()
-                if raw.state == "value":
-                    try:
-                        recs[kh] = _json.loads(bytes(raw.value))
-                    except ValueError:
-                        continue
-            tree = RadixTree(self.P)
-            parents = {r["parent"] for r in recs.values()}
-            for leaf in [k for k in recs if k not in parents]:
-                chain, k = [], leaf
-                while k in recs:
-                    chain.append(k)
-                    k = recs[k]["parent"]
-                if k != ROOT_KEY.hex():
-                    continue  # broken chain: its blocks are unreachable
-                chain.reverse()
-                toks = np.asarray([t for c in chain for t in recs[c]["tokens"]], np.int32)
-                if toks.size != len(chain) * self.P or [x.hex() for x in block_keys(ns.digest, toks, self.P)] != chain:
-                    continue  # records that do not hash to their keys are not trusted
-                tree.insert(toks, [bytes.fromhex(c) for c in chain], ROOT_KEY)
-            by_key = {blk.key.hex(): blk for blk in tree.iter_blocks()}
-            for blk in by_key.values():
-                blk.recorded = True
-            self.trees[ns_hex] = (ns, tree)
-            formats_ok = ns.representation.get("formats") == {s.name: s.fingerprint for s in self.forms.specs}
-            if not formats_ok:
-                continue  # kept only to name identity misses
-            for r in rests:
-                form, _, kh = r.partition("/")
-                spec = self.specs.get(form)
-                blk = by_key.get(kh)
-                if spec is None or blk is None:
-                    continue
-                where = blk.path if spec.kind == PATH else blk.snap
-                e = where.get(form) or Entry(form, blk)
-                where[form] = e
-                e.in_store = True
-                self.members[form][STORE][e] = None
+        load_store_index(self)
 
     # ------------------------------------------------------------------------------------------------ integration
     def prefill(self, model, prompt, **kw):

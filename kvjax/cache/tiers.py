@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 
 import jax
@@ -231,7 +230,3 @@ def _exact_range(key: str):
     import tensorstore as ts
 
     return ts.KvStore.KeyRange(key, key + "\x00")
-
-
-def entries_for_budget(spec: FormSpec, nbytes: int) -> int:
-    return int(math.floor(nbytes / spec.nbytes))
