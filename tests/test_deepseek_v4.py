@@ -36,7 +36,8 @@ def hybrid():
     return hf, kvjax.load(d)
 
 
-# m = 4, m' = 8, W = 8: multiples of both (8, 24, 32, 48), of m only (12, 20), of neither (3, 17, 41); all but 3 exceed W
+# m = 4, m' = 8, W = 8: multiples of both (8, 24, 32, 48), of m only (12, 20), of neither (3, 17, 41);
+# all but 3 are longer than the window
 @pytest.mark.parametrize("T", [3, 8, 12, 17, 20, 24, 32, 41, 48])
 def test_full_forward_matches_transformers(hybrid, T):
     hf, model = hybrid
@@ -149,7 +150,8 @@ def test_forward_train_equals_cached_full(hybrid):
 @pytest.mark.slow  # compiling the gradient takes ~50 s on the shared 2-core CPU
 def test_init_params_train_step_is_differentiable(hybrid):
     # a two-layer CSA + HCA model from init_params (the training entry point), gradients of the LM loss
-    cfg = dataclasses.replace(hybrid[1].config, num_layers=2, layer_types=(CSA, HCA), mlp_layer_types=("hash_moe", "moe"))
+    cfg = dataclasses.replace(hybrid[1].config, num_layers=2, layer_types=(CSA, HCA),
+                              mlp_layer_types=("hash_moe", "moe"))
     params = init_params(cfg, jax.random.PRNGKey(0))
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
         params_from_tensors(cfg, params_to_tensors(cfg, params)))

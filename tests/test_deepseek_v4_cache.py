@@ -123,8 +123,9 @@ def test_indexer_ties_break_to_lowest_index(model):
     q_res = jax.random.normal(jax.random.PRNGKey(1), (1, T, cfg.q_lora_rank))
     state = init_cache(cfg, 1, 32).layers[1].indexer
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    _, idx, ok = jax.jit(deepseek_v4._indexer, static_argnums=1)(tied.params["layers"][1]["attn"]["indexer"], cfg, state, h, q_res, pos,
-                                      jnp.asarray([T], jnp.int32))
+    indexer = jax.jit(deepseek_v4._indexer, static_argnums=1)
+    _, idx, ok = indexer(tied.params["layers"][1]["attn"]["indexer"], cfg, state, h, q_res, pos,
+                         jnp.asarray([T], jnp.int32))
     ready = (np.arange(T) + 1) // cfg.csa_rate
     for t in range(T):
         chosen = sorted(int(i) for i, o in zip(np.asarray(idx[0, t]), np.asarray(ok[0, t])) if o)

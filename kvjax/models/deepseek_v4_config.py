@@ -132,7 +132,8 @@ def _rope(params: Mapping[str, Any] | None, theta: float, prf: float, label: str
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV4Config:
-    """Build a DeepseekV4Config from a parsed transformers config.json (dict), folding legacy fields as transformers does.
+    """Build a DeepseekV4Config from a parsed transformers config.json (dict), folding legacy fields as transformers
+    does.
 
     Raises:
         UnsupportedConfigError: naming the field kvjax cannot run.
@@ -289,7 +290,8 @@ def config_for_training(vocab: int, eos: int | None = None, hash_seed: int = 0, 
 
 
 def _rope_dict(r: RopeConfig) -> dict[str, Any]:
-    d: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta, "partial_rotary_factor": r.partial_rotary_factor}
+    d: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta,
+                         "partial_rotary_factor": r.partial_rotary_factor}
     if r.rope_type == "yarn":
         d.update(factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
                  beta_fast=r.beta_fast, beta_slow=r.beta_slow)
