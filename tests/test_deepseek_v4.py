@@ -86,7 +86,7 @@ def _hf_dict():
 
 @pytest.mark.parametrize("field,value", [
     ("num_key_value_heads", 2), ("quantization_config", {"quant_method": "fp8"}), ("n_shared_experts", 2),
-    ("attention_bias", True), ("hidden_act", "gelu"), ("scoring_func", "relu"),
+    ("attention_bias", True), ("hidden_act", "gelu"), ("scoring_func", "softmax"),
     ("layer_types", ["full_attention"] * 4), ("mlp_layer_types", ["dense"] * 4),
 ])
 def test_unsupported_field_raises_by_name(field, value):

@@ -23,7 +23,9 @@ HCA = "heavily_compressed_attention"
 HASH_MOE = "hash_moe"
 MOE = "moe"
 _LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# The config docstring also lists "softmax", but transformers 5.24 cannot run it (`ACT2FN` has no "softmax"), so
+# there is no definition to match: it is rejected.
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
 @jax.tree_util.register_static

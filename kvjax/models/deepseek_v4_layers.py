@@ -104,9 +104,7 @@ def moe(p: dict, x: jax.Array, tokens: jax.Array, *, hashed: bool, top_k: int, s
     E = logits.shape[-1]
     if scoring == "sqrtsoftplus":
         scores = jnp.sqrt(jax.nn.softplus(logits))
-    elif scoring == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
+    else:  # "sigmoid" (the config rejects anything else)
         scores = jax.nn.sigmoid(logits)
     if hashed:
         idx = p["tid2eid"][tokens]  # [B, T, k]
