@@ -169,3 +169,20 @@ def test_eviction_is_lru_with_priority(model):
         plan.lease.release()
         reuse[name] = plan.forms["dense"].reusable
     assert reuse == {"a": 32, "b": 0, "c": 32}
+
+
+def test_interrupted_store_write_leaves_nothing_visible(model, tmp_path):
+    """TensorStore's file driver writes `key.__lock` and renames it: a crash mid-write leaves only that file."""
+    url = str(tmp_path / "store")
+    pc = PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 20, host_bytes=0, store_url=url)
+    run(model, pc, PROMPT)
+    pc.flush()
+    root = os.path.join(url, model_namespace(model, pc).hex, "dense")
+    name = sorted(os.listdir(root))[0]
+    os.rename(os.path.join(root, name), os.path.join(root, name + ".__lock"))  # as if the write never finished
+    with open(os.path.join(root, name + ".__lock"), "r+b") as f:
+        f.truncate(50)
+    pc2 = PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 20, host_bytes=0, store_url=url)
+    got, plan = run(model, pc2, PROMPT)
+    np.testing.assert_allclose(got, cold(model, PROMPT), atol=2e-5, rtol=0)
+    assert plan.boundary < 96 and pc2.stats()["events"].get("corrupt") is None  # missing, never read as data
