@@ -24,8 +24,11 @@ hc_head {fn [hc*H, hc], base [hc], scale [1]}; layers: tuple of dicts with attn_
 hc_attn/hc_ffn {fn [hc*H, (2+hc)*hc], base, scale [3]}, attn {wq_a [H, R], q_norm [R], wq_b [R, N*D], wkv [H, D],
 kv_norm [D], wo_a [G, N*D/G, O], wo_b [G*O, H], sinks [N], compressor {wkv, wgate [H, Dp], ape [m, Dp], norm [D]}
 (CSA/HCA; Dp = 2D for CSA), indexer {compressor {...at index_head_dim}, wq_b [R, nh*c], weights_proj [H, nh]} (CSA)},
-ffn {gate [H, E], bias [E] (moe) | tid2eid i32[V, k] (hash_moe), w1/w3 [E, H, I], w2 [E, I, H],
-shared {w1/w3 [H, I], w2 [I, H]}}.
+ffn {gate [H, E], bias [E] (moe) | tid2eid i32[V, k] (hash_moe; absent when `config.hash_seed` derives the table),
+w1/w3 [E, H, I], w2 [E, I, H], shared {w1/w3 [H, I], w2 [I, H]}}.
+
+Limits: the MoE runs every expert densely (exact, differentiable; fine for small configs, wasteful at 256 experts);
+the indexer materialises its scores `[B, T, index_n_heads, C]`, so long prefills of large configs need small chunks.
 """
 
 from __future__ import annotations
