@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.config import ModelConfig
+from kvjax.config import FULL, ModelConfig
 from kvjax.decode import sampling
 from kvjax.decode.draft_model import draft_forward
 from kvjax.models import llama
@@ -54,7 +54,7 @@ def check_draft_len(config: ModelConfig, x: int) -> None:
     """Raise if x + 1 verify rows cannot be rolled back in a sliding ring."""
     if x < 1:
         raise ValueError(f"draft length must be >= 1, got {x}")
-    if config.sliding_window is not None and any(t != "full_attention" for t in config.layer_types):
+    if config.sliding_window is not None and any(t != FULL for t in config.layer_types):
         if x + 1 > config.sliding_window:
             raise ValueError(f"draft length {x}: x + 1 verify rows must fit the sliding window "
                              f"{config.sliding_window} to be rolled back exactly")

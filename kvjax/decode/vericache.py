@@ -207,7 +207,8 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     out = [int(tok[0])]
     margins = [_margin(logits)]
     for _ in range(max_new_tokens - 1):
-        tok, m, full = _ref_step_with_margin(params, config, full, tok, seed_a, draft_len, temperature)
+        tok, m, full = draft_steps.reference_step(params, config, full, tok, seed_a, x=draft_len,
+                                                  temperature=temperature)
         out.append(int(tok[0]))
         margins.append(float(m[0]))
     toks = np.asarray(out, np.int32)
@@ -217,11 +218,6 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
 def _margin(logits) -> float:
     top = jax.lax.top_k(logits.reshape(-1), 2)[0]
     return float(top[0] - top[1])
-
-
-def _ref_step_with_margin(params, config, full, tok, seed, x, temperature):
-    nxt, margin, full = draft_steps.reference_step(params, config, full, tok, seed, x=x, temperature=temperature)
-    return nxt, margin, full
 
 
 def plain_decode(model, prompt_ids, max_new_tokens: int, *, capacity: int | None = None):
