@@ -138,3 +138,22 @@ def test_pad_and_empty_slots(llama, workload):
         assert (pp[..., pr.shape[-1]:] == -1).all()
     with pytest.raises(ValueError, match="exceeds the slot shape"):
         ss.pad_row(big, ss.empty_slots(row, 2))
+
+
+def test_sampled_two_verify_slots_exact(llama, workload):
+    """Position-keyed sampling (temperature > 0) is exact too; with two verification slots the next request's full
+    cache is copied while the current one verifies, and the measured peak still stays within the budget."""
+    reqs, _, F = workload
+    reqs = [sch.Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, arrival=r.arrival, seed=7 + i)
+            for i, r in enumerate(reqs[:4])]
+    for r in reqs[:2]:  # the prefill samples the first token: same temperature and seed as the run
+        r.prefilled = sch.prefill_request(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8,
+                                          seed=r.seed)
+    refs = [vc.reference_decode(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8, seed=r.seed)
+            for r in reqs]
+    s = sch.VeriCacheScheduler(llama, budget_bytes=7 * F, draft_len=X, compressor_kw=dict(ratio=4.0),
+                               verify_slots=2, temperature=0.8, max_slots=3)
+    res = s.run(reqs)
+    _check_exact(res, refs)
+    assert res.stats["slots"] == 3
+    assert F * 2 <= res.peak_measured_bytes <= res.budget_bytes  # two full caches were on the device at once
