@@ -13,9 +13,10 @@ host memory. One iteration of the scheduler:
    (`scheduler_steps.draft_slots`, masked: slots waiting, empty or finished do not move). The copies run while the
    drafting does — the overlap VeriCache's staggering is for.
 
-Modes. "staggered": one drafted token per iteration, and each request's first round is shortened so that rounds end
-at different iterations — about 1/x of the requests verify per iteration (the paper's staggering; the first round's
-length is picked where the fewest other requests are due). "lockstep": every slot drafts x tokens in one call, then
+Modes. "staggered": one drafted token per iteration, and each new request's rounds are offset from the others' so
+that rounds end at different iterations — about 1/x of the requests verify per iteration (the paper's staggering; the
+offset is picked where the fewest other requests are due, by holding the request back a few iterations, or by
+shortening its first round: `stagger`). "lockstep": every slot drafts x tokens in one call, then
 every request verifies in turn, nothing overlapped: the comparison point.
 
 Exactness. Every request's tokens equal `vericache.reference_decode` of its prompt (greedy; position-keyed sampling
@@ -139,6 +140,8 @@ class VeriCacheScheduler:
         compressor: a `Compressor` or a name for `make_compressor`; compressor_kw its fields.
         draft_len: x, drafts per round (static).
         mode: "staggered" or "lockstep".
+        stagger: how a new request's rounds are offset in staggered mode: "delay" (hold it back up to x - 1
+            iterations) or "shorten" (a shorter first round: one extra verification).
         max_slots: upper bound on the draft-batch slots (the budget may allow fewer).
         verify_slots: full caches allowed on the device at once (being fetched or verified).
         recent_slots: draft ring slots for decoded tokens (default max_new + x + 2, at least 64).
@@ -148,11 +151,14 @@ class VeriCacheScheduler:
     """
 
     def __init__(self, model, *, budget_bytes: int, compressor: str | Compressor = "streaming",
-                 compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", max_slots: int = 16,
+                 compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
+                 max_slots: int = 16,
                  verify_slots: int = 1, recent_slots: int | None = None, tail_capacity: int | None = None,
                  temperature: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if stagger not in ("delay", "shorten"):
+            raise ValueError(f"stagger must be 'delay' or 'shorten', got {stagger!r}")
         if verify_slots < 1 or max_slots < 1:
             raise ValueError(f"verify_slots and max_slots must be >= 1, got {verify_slots}, {max_slots}")
         draft_steps.check_draft_len(model.config, draft_len)
@@ -161,6 +167,7 @@ class VeriCacheScheduler:
         self.comp = make_compressor(compressor, **(compressor_kw or {})) if isinstance(compressor, str) else compressor
         self.x = draft_len
         self.mode = mode
+        self.stagger = stagger
         self.max_slots = max_slots
         self.verify_slots = verify_slots
         self.recent_slots = recent_slots
@@ -220,12 +227,12 @@ class VeriCacheScheduler:
         self._admit(it)
         if not self.live:
             return
-        upcoming = [s for s in self._order() if self.count[s] + 1 >= self.limit[s]]
+        upcoming = [s for s in self._order() if self._remaining(s) <= 1]
         self._prefetch(upcoming)
         t = time.perf_counter()
-        self._draft(steps=1)
+        self._draft(steps=1)  # allocates nothing new (donated): the sample in _prefetch covers this iteration
+        self.hold = np.maximum(self.hold - 1, 0).astype(np.int32)
         self.stats["draft_s"] += time.perf_counter() - t  # dispatch only: the drafting overlaps the copies
-        self.mem.sample(self.emitted)
 
     def _iteration_lockstep(self, it: int) -> None:
         self._admit(it)
@@ -240,19 +247,24 @@ class VeriCacheScheduler:
 
     def _order(self) -> list[int]:
         """Occupied slots, soonest due first."""
-        return sorted(self.live, key=lambda s: (self.limit[s] - self.count[s], s))
+        return sorted(self.live, key=lambda s: (self._remaining(s), s))
+
+    def _remaining(self, s: int) -> int:
+        """Iterations until slot s is due for verification (0 = due now)."""
+        return int(self.hold[s] + max(self.limit[s] - self.count[s], 0))
 
     # ------------------------------------------------------------ drafting
 
     def _draft(self, steps: int) -> None:
-        if not any(self.count[s] < self.limit[s] for s in self.live):
+        limit = np.where(self.hold > 0, self.count, self.limit).astype(np.int32)  # held slots wait
+        if not any(self.count[s] < limit[s] for s in self.live):
             return
         b, d = self.batch, self.drafts
         self.batch, self.drafts, _ = ss.draft_slots(
             self.model.params, self.model.config, b, jnp.asarray(self.last), d, jnp.asarray(self.count),
-            jnp.asarray(self.limit), jnp.asarray(self.seeds), steps=steps, temperature=self.temperature)
-        moving = self.count < self.limit
-        self.count = np.where(moving, np.minimum(self.count + steps, self.limit), self.count).astype(np.int32)
+            jnp.asarray(limit), jnp.asarray(self.seeds), steps=steps, temperature=self.temperature)
+        moving = self.count < limit
+        self.count = np.where(moving, np.minimum(self.count + steps, limit), self.count).astype(np.int32)
         self.stats["draft_calls"] += 1
         self.stats["draft_steps"] += steps
 
@@ -269,7 +281,7 @@ class VeriCacheScheduler:
         self.mem.sample(self.emitted)
 
     def _verify_due(self, blocking_fetch: bool = False) -> None:
-        due = [s for s in self._order() if self.count[s] >= self.limit[s]]
+        due = [s for s in self._order() if self._remaining(s) == 0]
         self.verifies_per_iteration.append(len(due))
         due.sort(key=lambda s: (s not in self.inflight, s))  # prefetched ones first
         for i, s in enumerate(due):
@@ -312,10 +324,9 @@ class VeriCacheScheduler:
         if r.need <= 0:
             self._finish(s)
         else:
+            # a last round shorter than x ends off-phase; shortening it further to dodge other requests' rounds
+            # would cost a whole extra verification, more than a collision does
             self.limit[s] = min(self.x, r.need - 1)
-            if self.mode == "staggered" and self.limit[s] < self.x:
-                # a shortened last round would end where another request's round ends: pick its own iteration
-                self.limit[s] = self._phase(s, self.limit[s])
 
     def _finish(self, s: int) -> None:
         r = self.live.pop(s)
@@ -323,7 +334,7 @@ class VeriCacheScheduler:
         self.emitted -= max(len(r.out) - r.req.max_new_tokens, 0)  # the last round may overshoot; not emitted
         self.mem.release(r.tail_bytes)
         r.tail = r.host_kv = None
-        self.count[s] = self.limit[s] = 0
+        self.count[s] = self.limit[s] = self.hold[s] = 0
 
     # ------------------------------------------------------------ admission
 
@@ -415,7 +426,7 @@ class VeriCacheScheduler:
         else:
             self.limit[s] = min(self.x, r.need - 1)
             if self.mode == "staggered":
-                self.limit[s] = self._phase(s, self.limit[s])
+                self._stagger_start(s)
         jax.block_until_ready(self.batch)
         self.mem.sample(self.emitted)
         self.stats["admit_s"] += time.perf_counter() - t0
@@ -447,15 +458,24 @@ class VeriCacheScheduler:
         self.seeds = np.zeros((n,), np.int32)
         self.count = np.zeros((n,), np.int32)
         self.limit = np.zeros((n,), np.int32)
+        self.hold = np.zeros((n,), np.int32)  # staggered "delay": iterations a new request waits before drafting
         self.qdummy = jnp.zeros((1, 1, self.model.config.vocab_size), jnp.float32)
 
-    def _phase(self, s: int, limit: int) -> int:
-        """First-round length for a new request: the step (1..limit) at which the fewest other requests are due."""
-        if limit <= 1:
-            return limit
-        load = np.zeros(self.x + 1, np.int64)
+    def _stagger_start(self, s: int) -> None:
+        """Offset a new request's rounds from the others': its first verification lands on the iteration (within the
+        next x) where the fewest other requests verify. "delay" holds it back a few iterations (its slot drafts
+        nothing meanwhile; no extra verification); "shorten" makes its first round shorter (an extra verification,
+        no waiting)."""
+        L = int(self.limit[s])
+        if L <= 1:
+            return
+        load = np.zeros(2 * self.x + 2, np.int64)
         for o in self.live:
             if o != s:
-                load[min(max(self.limit[o] - self.count[o], 0), self.x)] += 1
-        cand = np.arange(1, limit + 1)
-        return int(cand[np.lexsort((-cand, load[cand]))[0]])
+                load[min(self._remaining(o), 2 * self.x + 1)] += 1
+        if self.stagger == "shorten":
+            cand = np.arange(1, L + 1)  # first-round length
+            self.limit[s] = int(cand[np.lexsort((-cand, load[cand]))[0]])
+        else:
+            cand = np.arange(0, self.x)  # iterations held
+            self.hold[s] = int(cand[np.lexsort((cand, load[cand + L]))[0]])
