@@ -249,8 +249,8 @@ def main(argv=None):
           f"{ratios['staggered_vs_lockstep']:.2f}x, lock-step/full {ratios['lockstep_vs_full']:.2f}x")
     print(f"ideal staggered (lock-step's per-phase costs: draft step {1e3 * ideal['draft_step_s']:.2f} ms, copy "
           f"{1e3 * ideal['fetch_s']:.2f} ms, verify {1e3 * ideal['verify_s']:.2f} ms, admission "
-          f"{1e3 * ideal['admit_s']:.1f} ms): {ideal['tokens_per_s']:.1f} tok/s = {ideal['speedup_vs_full']:.2f}x full; "
-          f"achieved {100 * ideal['achieved_fraction']:.0f}% of it")
+          f"{1e3 * ideal['admit_s']:.1f} ms): {ideal['tokens_per_s']:.1f} tok/s = "
+          f"{ideal['speedup_vs_full']:.2f}x full; achieved {100 * ideal['achieved_fraction']:.0f}% of it")
 
     out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
                            compressor=args.compressor, compressor_kw=ckw, budget_bytes=budget,
