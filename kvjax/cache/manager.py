@@ -234,8 +234,8 @@ class PrefixCache:
             z = self._zeros[key] = jnp.zeros(shape, dtype)
         return z
 
-    def _read_store(self, plan: Plan, spec, blk: Block) -> np.ndarray:
-        fut = self.store.read_entry_async(plan.namespace, spec, blk.key)
+    def _read_store(self, plan: Plan, spec, blk: Block, fut) -> np.ndarray:
+        """Wait for one store read started with `read_entry_async` and verify it (raises _Replan on failure)."""
         try:
             raw = fut.result(timeout=self.store.timeout_s)
         except TimeoutError:
@@ -262,8 +262,10 @@ class PrefixCache:
         for spec in self.forms.specs:
             fp = plan.forms[spec.name]
             for j, (blk, tier) in enumerate(zip(fp.blocks, fp.tiers)):
-                if tier == STORE:
-                    staged_np[(spec.name, j)] = self._read_store(plan, spec, blk)
+                if tier == STORE:  # start every read first: they proceed in parallel
+                    staged_np[(spec.name, j)] = (blk, self.store.read_entry_async(plan.namespace, spec, blk.key))
+        for (name, j), (blk, fut) in staged_np.items():
+            staged_np[(name, j)] = self._read_store(plan, self.specs[name], blk, fut)
         staged = {}
         with self.lock:
             if not lease.valid():
@@ -293,7 +295,7 @@ class PrefixCache:
                                                      or pool.array.shape[1:] != spec.entry_shape):
                         raise RuntimeError(f"device pool of {spec.name} does not hold {spec.dtype}{spec.entry_shape}")
                     if host_rows:
-                        buf = np.zeros((maxB,) + spec.entry_shape, spec.dtype)
+                        buf = np.empty((maxB,) + spec.entry_shape, spec.dtype)  # unused rows are never selected
                         for j, x in host_rows.items():
                             buf[j] = np.asarray(x)
                         rows = jax.device_put(buf, device_sharding())
