@@ -10,7 +10,7 @@ import pytest
 import kvjax
 from kvjax.cache.forms import init_cache
 from kvjax.models import llama
-from kvjax.models.attention import attend
+from kvjax.models.attention import attend, default_attention
 from kvjax.models.attention_dispatch import attention, attention_parts, make_attention_fn
 from tests.hf_models import make_hf_model
 
@@ -45,9 +45,9 @@ def test_forward_pallas_matches_xla(tmp_path, family, implementation):
 
 
 def test_make_attention_fn_resolves():
-    assert make_attention_fn("xla") is attend
+    assert make_attention_fn("xla") is default_attention
     if not ON_GPU:  # auto picks XLA off the GPU
-        assert make_attention_fn(None) is attend
+        assert make_attention_fn(None) is default_attention
     with pytest.raises(ValueError, match="implementation must be one of"):
         make_attention_fn("triton")
 

@@ -1,7 +1,8 @@
 """Attention through the kernel dispatcher: the model and VeriCache steps call `attention` (or a bound
 `make_attention_fn(...)`) instead of a fixed implementation.
 
-"xla" is exactly `kvjax.models.attention.attend` (the jnp definition the model was validated with); "pallas",
+"xla" is `kvjax.models.attention.default_attention`: exactly `attend` (the jnp definition) for caches under
+4096 slots, and its blocked online-softmax form (reads only occupied blocks) for larger ones; "pallas",
 "pallas_interpret" and "pallas_debug" run kernel 0 of `pallas_kernels` (position-masked attention, same masking rule);
 None picks "pallas" on a GPU backend and "xla" elsewhere.
 """
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from kvjax.models.attention import attend
+from kvjax.models.attention import default_attention
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
@@ -32,7 +33,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     """
     impl = pallas_kernels.resolve(implementation)
     if impl == "xla":
-        return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
+        return default_attention(q, k, v, q_pos, k_pos, window=window, scale=scale)
     return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
 
 
@@ -65,5 +66,5 @@ def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Ar
     """
     impl = pallas_kernels.resolve(implementation)
     if impl == "xla":
-        return attend
+        return default_attention
     return functools.partial(attention, implementation=impl)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
 from kvjax.config import SLIDING, ModelConfig
-from kvjax.models.attention import default_attention
+from kvjax.models.attention_dispatch import attention as dispatched_attention
 from kvjax.models.common import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 
 Params = dict[str, Any]
@@ -71,7 +71,7 @@ def forward(
     tokens: jax.Array,
     n_valid: jax.Array | None = None,
     *,
-    attention_fn: AttentionFn = default_attention,
+    attention_fn: AttentionFn = dispatched_attention,
     return_hidden: bool = False,
 ):
     """Run `T` new tokens per sequence through the model, appending them to `cache`.
@@ -82,7 +82,8 @@ def forward(
         cache: state before these tokens; new tokens take positions `cache.length + t`.
         tokens: i32[B, T] token ids (padding rows beyond `n_valid` are ignored).
         n_valid: i32[B] real tokens per row (default: all T).
-        attention_fn: attention implementation with `attend`'s signature.
+        attention_fn: attention implementation with `attend`'s signature (default: the dispatcher — Pallas on
+            GPU, XLA on CPU).
         return_hidden: also return the final normalised hidden states [B, T, H].
 
     Returns:
