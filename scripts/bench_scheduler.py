@@ -152,6 +152,7 @@ def main(argv=None):
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--verify-slots", type=int, default=1)
     ap.add_argument("--stagger", default="delay", choices=("delay", "shorten"))
+    ap.add_argument("--draft-chunk", type=int, default=1, help="tokens drafted per staggered iteration")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per contender; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_scheduler.json")
@@ -197,8 +198,8 @@ def main(argv=None):
             max_slots=args.max_slots, verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
         ("vericache-staggered", lambda: sch.VeriCacheScheduler(
             model, budget_bytes=budget, compressor=args.compressor, compressor_kw=ckw, draft_len=x, mode="staggered",
-            stagger=args.stagger, max_slots=args.max_slots, verify_slots=args.verify_slots, recent_slots=recent,
-            tail_capacity=tail_cap)),
+            stagger=args.stagger, draft_chunk=args.draft_chunk, max_slots=args.max_slots,
+            verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
     ]
     results = []
     for name, make in contenders:
@@ -255,7 +256,8 @@ def main(argv=None):
     out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
                            compressor=args.compressor, compressor_kw=ckw, budget_bytes=budget,
                            full_cache_bytes=full_bytes, prompt_source=source, model=model_name,
-                           verify_slots=args.verify_slots, stagger=args.stagger, prefill_s=t_prefill,
+                           verify_slots=args.verify_slots, stagger=args.stagger,
+                           draft_chunk=args.draft_chunk, prefill_s=t_prefill,
                            devices=str(jax.devices()),
                            repeats=args.repeats),
                ratios=ratios, ideal_staggered=ideal, records=results)

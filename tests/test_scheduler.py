@@ -55,12 +55,13 @@ def _check_exact(res, refs):
     assert res.tokens == sum(len(r) for r in refs)
 
 
-@pytest.mark.parametrize("mode,stagger", [("staggered", "delay"), ("staggered", "shorten"), ("lockstep", "delay")])
-def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger):
+@pytest.mark.parametrize("mode,stagger,chunk", [("staggered", "delay", 1), ("staggered", "shorten", 1),
+                                                ("staggered", "delay", 2), ("lockstep", "delay", 1)])
+def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger, chunk):
     reqs, refs, F = workload
     # ~3 slots: fewer than the 6 requests, so some wait in the queue (continuous batching)
     s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, mode=mode, stagger=stagger,
-                               compressor_kw=dict(ratio=4.0))
+                               draft_chunk=chunk, compressor_kw=dict(ratio=4.0))
     res = s.run(reqs)
     _check_exact(res, refs)
     st = res.stats
@@ -73,7 +74,7 @@ def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger):
     else:  # staggered: rounds end at different iterations (last rounds, shorter than x, may collide)
         vpi = np.asarray(st["verifies_per_iteration"])
         assert np.mean(vpi == st["slots"]) < 0.05 and np.mean(vpi) < 0.5 * st["slots"]
-        assert st["draft_steps"] == st["draft_calls"]  # one drafted token per iteration
+        assert st["draft_steps"] == chunk * st["draft_calls"]  # `chunk` drafted tokens per iteration
     # every round emits at most x + 1 tokens: at least ceil((M - 1) / (x + 1)) verifications per request
     assert st["verifications"] >= sum(-(-(len(r) - 1) // (X + 1)) for r in refs)
 

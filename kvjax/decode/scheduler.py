@@ -142,6 +142,8 @@ class VeriCacheScheduler:
         mode: "staggered" or "lockstep".
         stagger: how a new request's rounds are offset in staggered mode: "delay" (hold it back up to x - 1
             iterations) or "shorten" (a shorter first round: one extra verification).
+        draft_chunk: tokens each slot drafts per staggered iteration (1 = the paper's schedule; k > 1 verifies
+            ~k/x of the requests per iteration, with k times fewer iterations and so less per-iteration overhead).
         max_slots: upper bound on the draft-batch slots (the budget may allow fewer).
         verify_slots: full caches allowed on the device at once (being fetched or verified).
         recent_slots: draft ring slots for decoded tokens (default max_new + x + 2, at least 64).
@@ -152,9 +154,8 @@ class VeriCacheScheduler:
 
     def __init__(self, model, *, budget_bytes: int, compressor: str | Compressor = "streaming",
                  compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
-                 max_slots: int = 16,
-                 verify_slots: int = 1, recent_slots: int | None = None, tail_capacity: int | None = None,
-                 temperature: float = 0.0):
+                 draft_chunk: int = 1, max_slots: int = 16, verify_slots: int = 1, recent_slots: int | None = None,
+                 tail_capacity: int | None = None, temperature: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if stagger not in ("delay", "shorten"):
@@ -168,6 +169,9 @@ class VeriCacheScheduler:
         self.x = draft_len
         self.mode = mode
         self.stagger = stagger
+        if not 1 <= draft_chunk <= draft_len:
+            raise ValueError(f"draft_chunk must be in 1..draft_len={draft_len}, got {draft_chunk}")
+        self.chunk = draft_chunk if mode == "staggered" else draft_len
         self.max_slots = max_slots
         self.verify_slots = verify_slots
         self.recent_slots = recent_slots
@@ -192,7 +196,7 @@ class VeriCacheScheduler:
                 self._iteration_lockstep(it)
             it += 1
         wall = time.perf_counter() - t0
-        self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x,
+        self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x, draft_chunk=self.chunk,
                           compressor=self.comp.name, verify_slots=self.verify_slots,
                           mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
                           verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
@@ -230,7 +234,7 @@ class VeriCacheScheduler:
         upcoming = [s for s in self._order() if self._remaining(s) <= 1]
         self._prefetch(upcoming)
         t = time.perf_counter()
-        self._draft(steps=1)  # allocates nothing new (donated): the sample in _prefetch covers this iteration
+        self._draft(steps=self.chunk)  # allocates nothing new (donated)
         self.hold = np.maximum(self.hold - 1, 0).astype(np.int32)
         self.stats["draft_s"] += time.perf_counter() - t  # dispatch only: the drafting overlaps the copies
 
@@ -251,7 +255,7 @@ class VeriCacheScheduler:
 
     def _remaining(self, s: int) -> int:
         """Iterations until slot s is due for verification (0 = due now)."""
-        return int(self.hold[s] + max(self.limit[s] - self.count[s], 0))
+        return int(self.hold[s] + -(-max(self.limit[s] - self.count[s], 0) // self.chunk))
 
     # ------------------------------------------------------------ drafting
 
@@ -273,12 +277,15 @@ class VeriCacheScheduler:
     def _prefetch(self, slots, busy: int = 0) -> None:
         """Start host->device copies of the next full caches, at most `verify_slots` on the device at once
         (`busy` = full caches already on the device outside `inflight`, i.e. being verified)."""
+        issued = False
         for s in slots:
             if len(self.inflight) + busy >= self.verify_slots:
                 break
             if s not in self.inflight and self.live[s].host_kv is not None:
                 self.inflight[s] = offl.fetch(self.live[s].host_kv)
-        self.mem.sample(self.emitted)
+                issued = True
+        if issued:  # (sampling walks every live array: only when the device memory grew)
+            self.mem.sample(self.emitted)
 
     def _verify_due(self, blocking_fetch: bool = False) -> None:
         due = [s for s in self._order() if self._remaining(s) == 0]
@@ -469,13 +476,15 @@ class VeriCacheScheduler:
         L = int(self.limit[s])
         if L <= 1:
             return
-        load = np.zeros(2 * self.x + 2, np.int64)
+        k = self.chunk
+        period = -(-self.x // k)  # iterations per full round
+        load = np.zeros(2 * period + 2, np.int64)
         for o in self.live:
             if o != s:
-                load[min(self._remaining(o), 2 * self.x + 1)] += 1
+                load[min(self._remaining(o), 2 * period + 1)] += 1
         if self.stagger == "shorten":
             cand = np.arange(1, L + 1)  # first-round length
-            self.limit[s] = int(cand[np.lexsort((-cand, load[cand]))[0]])
+            self.limit[s] = int(cand[np.lexsort((-cand, load[-(-cand // k)]))[0]])
         else:
-            cand = np.arange(0, self.x)  # iterations held
-            self.hold[s] = int(cand[np.lexsort((cand, load[cand + L]))[0]])
+            cand = np.arange(0, period)  # iterations held
+            self.hold[s] = int(cand[np.lexsort((cand, load[cand + -(-L // k)]))[0]])
