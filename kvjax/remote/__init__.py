@@ -1,0 +1,7 @@
+"""Remote prefix caching (VeriCache's second setting): a prefix's full and draft caches live in a store; serving
+fetches the small draft cache first, drafts while the full cache streams in, and verifies every emitted token."""
+
+from kvjax.remote.link import Link
+from kvjax.remote.store_client import CorruptEntry, RemoteStore
+
+__all__ = ["CorruptEntry", "Link", "RemoteStore"]

@@ -1,0 +1,175 @@
+"""A small TensorStore kvstore client for remote prefix entries: checksummed chunked bundles, two-phase publish,
+reads paced by a `Link` model.
+
+Same rules as the prefix cache's store tier (`kvjax.cache.tiers.StoreTier`), at a coarser grain: there an entry is
+one block of one form; here an entry is a whole prefix (per-layer full-cache bundles, the last-position logits, one
+bundle per draft cache), because a remote fetch streams a prefix as a unit, in layer order.
+
+- A *bundle* is a dict of named arrays stored as one payload, split into chunks of at most `chunk_bytes` (4 MiB by
+  default: the unit the link paces and the background fetch hands over). Each chunk is its own value:
+  `u64 header length | JSON header | bytes`; the header carries magic, format version, namespace, prefix key,
+  bundle name, chunk index/count, byte count and a BLAKE2b checksum, and every read re-checks them all.
+- A *manifest* (same value format, JSON payload) lists the bundles with their array tables and chunk checksums. It
+  is written only after every chunk write has completed (two-phase put: nothing is readable before it is complete);
+  a reader only ever reads through a manifest. The file driver writes a temporary file and renames it, so a crash
+  leaves no half value; the checksums catch anything else.
+- A failed check raises `CorruptEntry` (the prefix cache's error type) naming the check; callers turn it into a
+  miss and a recompute — a corrupt entry never produces a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from kvjax.cache.identity import payload_checksum
+from kvjax.cache.tiers import CorruptEntry
+from kvjax.remote.link import Link
+
+MAGIC = "kvjax-remote-prefix"
+FORMAT_VERSION = 1
+CHUNK_BYTES = 4 << 20
+
+
+def _pack(header: dict, payload: bytes) -> bytes:
+    h = json.dumps(header, sort_keys=True).encode()
+    return len(h).to_bytes(8, "little") + h + payload
+
+
+def _unpack(buf: bytes, what: str) -> tuple[dict, bytes]:
+    if len(buf) < 8:
+        raise CorruptEntry(f"{what}: truncated, no header length")
+    hl = int.from_bytes(buf[:8], "little")
+    try:
+        header = json.loads(buf[8:8 + hl])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptEntry(f"{what}: unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptEntry(f"{what}: header is not an object")
+    return header, buf[8 + hl:]
+
+
+class RemoteStore:
+    """Prefix entries in a TensorStore kvstore, read through a bandwidth-capped `Link`.
+
+    Args:
+        url: kvstore URL (`file://...`, `gs://...`, `s3://...`) or a directory (-> `file://`).
+        link: the link model reads go through (default: uncapped).
+        chunk_bytes: largest chunk of a bundle.
+    """
+
+    def __init__(self, url: str, link: Link | None = None, chunk_bytes: int = CHUNK_BYTES):
+        import tensorstore as ts
+
+        if "://" not in url:
+            url = "file://" + os.path.abspath(url)
+        spec = ({"driver": "file", "path": url[len("file://"):].rstrip("/") + "/"} if url.startswith("file://")
+                else url.rstrip("/") + "/")
+        self.url = url
+        self.kv = ts.KvStore.open(spec).result()
+        self.link = link or Link()
+        self.chunk_bytes = int(chunk_bytes)
+
+    # ------------------------------------------------------------------------------------------------ keys
+    @staticmethod
+    def _key(ns_hex: str, prefix_hex: str, name: str, part: str) -> str:
+        return f"{ns_hex}/{prefix_hex}/{name}/{part}"
+
+    def _ident(self, ns_hex, prefix_hex, name) -> dict:
+        return dict(magic=MAGIC, format_version=FORMAT_VERSION, namespace=ns_hex, prefix=prefix_hex, bundle=name)
+
+    # ------------------------------------------------------------------------------------------------ write
+    def put_bundle(self, ns_hex: str, prefix_hex: str, name: str, arrays: dict[str, np.ndarray]) -> dict:
+        """Write a bundle (waits for every chunk); returns its record for the manifest."""
+        table, parts, off = [], [], 0
+        for k, a in arrays.items():
+            a = np.ascontiguousarray(np.asarray(a))
+            table.append(dict(name=k, dtype=a.dtype.str, shape=list(a.shape), offset=off, nbytes=a.nbytes))
+            parts.append(a.tobytes())
+            off += a.nbytes
+        payload = b"".join(parts)
+        n = max(1, -(-len(payload) // self.chunk_bytes))
+        futs, sums = [], []
+        for i in range(n):
+            piece = payload[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+            sums.append(payload_checksum(piece))
+            header = dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n, nbytes=len(piece),
+                          checksum=sums[-1])
+            futs.append(self.kv.write(self._key(ns_hex, prefix_hex, name, f"{i:06d}"), _pack(header, piece)))
+        for f in futs:
+            f.result()
+        return dict(name=name, table=table, nbytes=len(payload), chunks=n, chunk_bytes=self.chunk_bytes,
+                    checksums=sums)
+
+    def put_manifest(self, ns_hex: str, prefix_hex: str, name: str, body: dict) -> None:
+        """Publish a manifest (call only after its bundles' `put_bundle` returned)."""
+        payload = json.dumps(body, sort_keys=True).encode()
+        header = dict(self._ident(ns_hex, prefix_hex, name), kind="manifest", nbytes=len(payload),
+                      checksum=payload_checksum(payload))
+        self.kv.write(self._key(ns_hex, prefix_hex, name, "manifest"), _pack(header, payload)).result()
+
+    # ------------------------------------------------------------------------------------------------ read
+    def get_manifest(self, ns_hex: str, prefix_hex: str, name: str) -> dict | None:
+        """The manifest, or None when absent (a miss). Raises CorruptEntry if present but bad."""
+        raw = self.kv.read(self._key(ns_hex, prefix_hex, name, "manifest")).result()
+        if raw.state != "value":
+            return None
+        buf = bytes(raw.value)
+        self.link.transfer(len(buf))
+        header, payload = _unpack(buf, f"manifest {name}")
+        self._check(header, dict(self._ident(ns_hex, prefix_hex, name), kind="manifest"), payload, f"manifest {name}")
+        try:
+            return json.loads(payload)
+        except ValueError as e:
+            raise CorruptEntry(f"manifest {name}: unreadable body ({e})") from None
+
+    def get_bundle(self, ns_hex: str, prefix_hex: str, record: dict) -> dict[str, np.ndarray]:
+        """Read, pace and verify every chunk of a bundle in order; returns its arrays (read-only views)."""
+        name, n = record["name"], record["chunks"]
+        keys = [self._key(ns_hex, prefix_hex, name, f"{i:06d}") for i in range(n)]
+        buf = bytearray(record["nbytes"])
+        pending = [self.kv.read(k) for k in keys[:2]]  # keep one read ahead of the link
+        pos = 0
+        for i in range(n):
+            raw = pending.pop(0).result()
+            if i + 2 < n:
+                pending.append(self.kv.read(keys[i + 2]))
+            what = f"bundle {name} chunk {i}/{n}"
+            if raw.state != "value":
+                raise CorruptEntry(f"{what}: missing from the store")
+            value = bytes(raw.value)
+            self.link.transfer(len(value))
+            header, piece = _unpack(value, what)
+            self._check(header, dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n), piece, what)
+            if header["checksum"] != record["checksums"][i]:
+                raise CorruptEntry(f"{what}: checksum differs from the manifest's")
+            if pos + len(piece) > len(buf):
+                raise CorruptEntry(f"{what}: more bytes than the manifest's {record['nbytes']}")
+            buf[pos:pos + len(piece)] = piece
+            pos += len(piece)
+        if pos != record["nbytes"]:
+            raise CorruptEntry(f"bundle {name}: {pos} bytes, manifest says {record['nbytes']}")
+        out = {}
+        for t in record["table"]:
+            a = np.frombuffer(buf, dtype=np.dtype(t["dtype"]), count=int(np.prod(t["shape"], dtype=np.int64)),
+                              offset=t["offset"])
+            out[t["name"]] = a.reshape(t["shape"])
+        return out
+
+    @staticmethod
+    def _check(header: dict, want: dict, payload: bytes, what: str) -> None:
+        for k, v in want.items():
+            if header.get(k) != v:
+                raise CorruptEntry(f"{what}: header {k}={header.get(k)!r}, expected {v!r}")
+        if header.get("nbytes") != len(payload):
+            raise CorruptEntry(f"{what}: truncated payload, {len(payload)} bytes, header says {header.get('nbytes')}")
+        if payload_checksum(payload) != header.get("checksum"):
+            raise CorruptEntry(f"{what}: checksum mismatch")
+
+    def delete_prefix(self, ns_hex: str, prefix_hex: str) -> None:
+        import tensorstore as ts
+
+        p = f"{ns_hex}/{prefix_hex}/"
+        self.kv.delete_range(ts.KvStore.KeyRange(p, p[:-1] + chr(ord("/") + 1))).result()
