@@ -102,10 +102,12 @@ def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, tempe
 
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
-                  adaptive: tuple | None = None, recent_slots: int = 256, progress=None):
+                  adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
     Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
+    `draft_cache`: an already compressed DraftCache of this prompt (consumed; its ring must hold x + 1 rows) —
+    benchmarks compress once and reuse it; `compressor` then only names the run.
     """
     params, config = model.params, model.config
     comp = make_compressor(compressor) if isinstance(compressor, str) else compressor
@@ -116,7 +118,10 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     seed_a = jnp.asarray([seed], jnp.int32)
     met = RunMetrics(name=f"vericache[{comp.name}]", params=params)
     t0 = time.perf_counter()
-    dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
+    if draft_cache is None:
+        dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
+    else:
+        dcache = draft_cache
     jax.block_until_ready(dcache)
     met.compress_s = time.perf_counter() - t0
     met.full_prompt_bytes = offl.nbytes([(l.k, l.v) for l in full.layers])
