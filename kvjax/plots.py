@@ -1,0 +1,193 @@
+"""Plots from benchmark JSON (matplotlib, Agg backend): the JSON's content picks the plot.
+
+- **memory** — records carry a `timeline` of (seconds, measured device bytes, reserved bytes, tokens emitted)
+  (`scripts/bench_scheduler.py`): device memory over time against the budget, and tokens emitted over time.
+- **throughput** — several result files, or one file that spans context lengths (`scripts/bench_kernels.py`'s
+  `cached_tokens`): throughput (tokens/s, or GB/s for kernels) against context length, one line per contender.
+- **accepted** — records carry `accepted_histogram` (`scripts/bench_vericache.py`, `kvjax generate --mode vericache
+  --json`): the share of VeriCache rounds that accepted n drafted tokens, and the mean per contender.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+KINDS = ("throughput", "accepted", "memory")
+
+
+def load(paths) -> list[tuple[str, dict]]:
+    """(file name, parsed JSON) per path; a JSON list of records becomes {"records": list}."""
+    docs = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{p} is not JSON: {e}") from None
+        docs.append((os.path.basename(p), {"records": d} if isinstance(d, list) else d))
+    return docs
+
+
+def _records(doc: dict) -> list[dict]:
+    recs = doc.get("records")
+    if isinstance(recs, list):
+        return [r for r in recs if isinstance(r, dict)]
+    return [doc]  # a single result (e.g. `kvjax generate --json`)
+
+
+def detect(docs) -> str:
+    """The plot kind the content calls for (see the module docstring).
+
+    Raises:
+        ValueError: when nothing plottable is found.
+    """
+    recs = [r for _, d in docs for r in _records(d)]
+    if any(r.get("timeline") for r in recs):
+        return "memory"
+    series, _ = throughput_series(docs)
+    if any(len(v) > 1 for v in series.values()):
+        return "throughput"
+    if any(r.get("accepted_histogram") for r in recs):
+        return "accepted"
+    if series:
+        return "throughput"
+    raise ValueError("no plottable data: expected records with timeline, accepted_histogram, tokens_per_s with a "
+                     "context length, or kernel cached_tokens/gbps")
+
+
+def throughput_series(docs) -> tuple[dict[str, list[tuple[int, float]]], str]:
+    """name -> sorted [(context tokens, throughput)] and the y label."""
+    series: dict[str, list] = {}
+    unit = "tokens/s"
+    for _, d in docs:
+        cfg = d.get("config", {}) if isinstance(d.get("config"), dict) else {}
+        ctx = cfg.get("prompt_tokens") or cfg.get("context")
+        for r in _records(d):
+            if "cached_tokens" in r and "gbps" in r:  # bench_kernels
+                name = f"{r.get('kernel', '?')} ({r.get('implementation', '?')})"
+                series.setdefault(name, []).append((int(r["cached_tokens"]), float(r["gbps"])))
+                unit = "GB/s read"
+                continue
+            c = r.get("prompt_tokens", ctx)
+            if c is None:
+                continue
+            if r.get("tokens_per_s") is not None:
+                name = r.get("name") or r.get("mode") or "run"
+                series.setdefault(name, []).append((int(c), float(r["tokens_per_s"])))
+            if r.get("full_cache_tokens_per_s") is not None:  # `kvjax generate --compare-full`
+                series.setdefault("full cache", []).append((int(c), float(r["full_cache_tokens_per_s"])))
+    return {k: sorted(v) for k, v in series.items()}, unit
+
+
+def _figure(*args, **kw):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, plt.subplots(*args, **kw)
+
+
+def plot_throughput(docs, out: str) -> dict:
+    series, unit = throughput_series(docs)
+    if not series:
+        raise ValueError("no throughput data (tokens_per_s with a context length, or kernel cached_tokens/gbps)")
+    plt, (fig, ax) = _figure(figsize=(8, 4.8))
+    for name, pts in sorted(series.items(), key=lambda kv: -kv[1][-1][1]):
+        xs, ys = zip(*pts)
+        style = dict(ls="--", color="gray") if name in ("full", "full cache", "reference") else {}
+        ax.plot(xs, ys, marker="o", label=f"{name} ({ys[-1]:.3g} at {xs[-1]})", **style)
+    ax.set_xscale("log", base=2)
+    ctxs = sorted({x for pts in series.values() for x, _ in pts})
+    ax.set_xticks(ctxs, [f"{c / 1024:.3g}K" if c >= 1024 else str(c) for c in ctxs])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(unit)
+    ax.set_title(f"throughput vs context length ({', '.join(n for n, _ in docs)})", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(series={k: len(v) for k, v in series.items()})
+
+
+def plot_accepted(docs, out: str) -> dict:
+    import numpy as np
+
+    rows = [(r.get("name") or r.get("mode") or fn, np.asarray(r["accepted_histogram"], float), r)
+            for fn, d in docs for r in _records(d) if r.get("accepted_histogram")]
+    if not rows:
+        raise ValueError("no accepted_histogram in these records (VeriCache results carry one)")
+    plt, (fig, (a1, a2)) = _figure(1, 2, figsize=(11, 4.5), gridspec_kw=dict(width_ratios=(3, 2)))
+    means = []
+    for name, h, r in rows:
+        share = h / max(h.sum(), 1)
+        mean = r.get("mean_accepted_per_round", float((np.arange(h.size) * share).sum()))
+        means.append((name, mean, r.get("mean_x")))
+        a1.plot(np.arange(h.size), share, marker="o", ms=3, label=f"{name} (mean {mean:.2f})")
+    a1.set_xlabel("drafted tokens accepted in a round")
+    a1.set_ylabel("share of rounds")
+    a1.set_title("accepted tokens per VeriCache round")
+    a1.grid(alpha=0.3)
+    a1.legend(fontsize=7)
+    means.sort(key=lambda m: m[1])
+    a2.barh(range(len(means)), [m[1] for m in means], color="tab:blue")
+    for i, (_, m, x) in enumerate(means):
+        a2.text(m, i, f" {m:.2f}" + (f" / x={x:.0f}" if x else ""), va="center", fontsize=7)
+    a2.set_yticks(range(len(means)), [m[0] for m in means], fontsize=7)
+    a2.set_xlabel("mean accepted per round (+1 emitted by the verify)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(contenders=len(rows))
+
+
+def plot_memory(docs, out: str) -> dict:
+    import numpy as np
+
+    if not any(r.get("timeline") for _, d in docs for r in _records(d)):
+        raise ValueError("no timeline in these records (scripts/bench_scheduler.py writes one)")
+    plt, (fig, (a1, a2)) = _figure(2, 1, figsize=(8, 7), sharex=True)
+    budgets, n = set(), 0
+    for _, d in docs:
+        for r in _records(d):
+            tl = np.asarray(r.get("timeline") or [], np.float64)
+            if tl.ndim != 2 or tl.shape[0] == 0:
+                continue
+            n += 1
+            name = r.get("name", "run")
+            tps = r.get("tokens_per_s")
+            label = f"{name} ({tps:.0f} tok/s)" if tps else name
+            a1.plot(tl[:, 0], tl[:, 1] / 2**20, label=label)
+            if tl.shape[1] > 3:
+                a2.plot(tl[:, 0], tl[:, 3], label=label)
+            if r.get("budget_bytes"):
+                budgets.add(r["budget_bytes"])
+    for b in budgets:
+        a1.axhline(b / 2**20, color="k", ls="--", lw=1, label=f"budget {b / 2**20:.0f} MiB")
+    a1.set_ylim(bottom=0)
+    a1.set_ylabel("measured device memory (MiB)")
+    a1.set_title("device memory over time")
+    a2.set_ylabel("tokens emitted")
+    a2.set_xlabel("seconds")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(runs=n)
+
+
+def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
+    """Read benchmark JSON files, pick (or use) a plot kind, write a PNG to `out`. Returns (kind, info)."""
+    docs = load(paths)
+    kind = detect(docs) if kind == "auto" else kind
+    if kind not in KINDS:
+        raise ValueError(f"unknown plot kind {kind!r}; one of {KINDS}")
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    return kind, {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory}[kind](docs, out)
