@@ -47,18 +47,32 @@ def draft_slots(params, config: ModelConfig, dbatch: DraftCache, last: jax.Array
     """
     B, x = drafts.shape
     rows = jnp.arange(B)
+    # The compressed prompt parts are loop invariants: kept out of the loop carry, they are not copied in and out
+    # of the loop on every call (with steps = 1 that copy of every slot's draft cache cost as much as the step).
+    parts = tuple(l.parts for l in dbatch.layers)
+    windows = tuple(l.window for l in dbatch.layers)
+
+    def cache(rings, length):
+        return DraftCache(layers=tuple(DraftLayer(parts=p, recent=r, window=w)
+                                       for p, r, w in zip(parts, rings, windows)), length=length)
 
     def body(_, carry):
-        dc, drafts, count = carry
+        rings, length, drafts, count = carry
         act = count < limit
         prev = jnp.take_along_axis(drafts, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
         tok = jnp.where(count == 0, last, prev)
-        logits, dc = draft_forward(params, config, dc, tok[:, None], act.astype(jnp.int32))
+        logits, dc = draft_forward(params, config, cache(rings, length), tok[:, None], act.astype(jnp.int32))
         nxt = sampling.select_tokens(logits, dc.length[:, None], seed, temperature)[:, 0]
         drafts = drafts.at[rows, jnp.where(act, count, x)].set(nxt, mode="drop")  # x -> dropped
-        return dc, drafts, count + act.astype(jnp.int32)
+        return tuple(l.recent for l in dc.layers), dc.length, drafts, count + act.astype(jnp.int32)
 
-    return jax.lax.fori_loop(0, steps, body, (dbatch, drafts, count.astype(jnp.int32)))
+    carry = (tuple(l.recent for l in dbatch.layers), dbatch.length, drafts, count.astype(jnp.int32))
+    if steps == 1:
+        carry = body(0, carry)
+    else:
+        carry = jax.lax.fori_loop(0, steps, body, carry)
+    rings, length, drafts, count = carry
+    return cache(rings, length), drafts, count
 
 
 def _ring_row(dbatch: DraftCache, slot):
