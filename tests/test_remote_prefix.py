@@ -22,19 +22,16 @@ DRAFT = dict(compressor="streaming", compressor_kw={"ratio": 4.0}, recent_slots=
 
 
 class GatedLink(Link):
-    """Uncapped, but every transfer after the first `open_for` waits for `gate` (holds the full cache back)."""
+    """Uncapped, but the background full-cache fetch waits for `gate` before its first byte crosses the link."""
 
-    def __init__(self, open_for: int):
+    def __init__(self):
         super().__init__()
         self.gate = threading.Event()
-        self.calls = 0
-        self.open_for = open_for
 
-    def transfer(self, nbytes):
-        self.calls += 1
-        if self.calls > self.open_for:
+    def reserve(self, nbytes):
+        if threading.current_thread().name == "kvjax-full-fetch":
             self.gate.wait(30)
-        super().transfer(nbytes)
+        return super().reserve(nbytes)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +46,9 @@ def setup(hf_model_dir, tmp_path_factory):
 
 
 def test_draft_first_exact_with_run_ahead(setup):
-    model, prompt, root, _, info, ref = setup
-    link = GatedLink(open_for=3)  # full manifest, draft manifest, head chunk; then the draft's chunks wait too
+    model, prompt, root, _, _, ref = setup
+    link = GatedLink()
     store = RemoteStore(root, link=link, chunk_bytes=16 << 10)
-    link.open_for = 3 + info["draft_bytes"][info["drafts"][0]] // (16 << 10) + 1  # draft arrives, full is held
     threading.Timer(1.0, link.gate.set).start()
     toks, st = df.serve_draft_first(model, store, prompt, M, max_ahead=16, **DRAFT)
     assert st["source"] == "draft-first" and st["full_source"] == "store", st["reasons"]
@@ -138,3 +134,14 @@ def test_bandwidth_cap_respected(tmp_path):
     assert Link().rate is None
     with pytest.raises(ValueError):
         Link(gbytes_per_s=0)
+
+
+def test_sliding_window_model_draft_first_exact(hf_model_dir, tmp_path):
+    """Sliding layers store their ring (not the prompt rows); the served cache is the prefilled one."""
+    model = load(hf_model_dir("mistral")[1])
+    prompt = np.random.default_rng(1).integers(0, 97, 100).astype(np.int32)
+    store = RemoteStore(str(tmp_path), chunk_bytes=16 << 10)
+    df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING)
+    toks, st = df.serve_draft_first(model, store, prompt, 12, max_ahead=8, **DRAFT)
+    assert st["source"] == "draft-first" and st["full_source"] == "store", st["reasons"]
+    np.testing.assert_array_equal(toks, vc.reference_decode(model, prompt, 12, draft_len=X))

@@ -44,7 +44,11 @@ class Link:
 
     def transfer(self, nbytes: int) -> None:
         """Block the calling thread until `nbytes` booked now have crossed the link."""
-        done = self.reserve(nbytes)
+        self.wait_until(self.reserve(nbytes))
+
+    @staticmethod
+    def wait_until(done: float) -> None:
+        """Sleep until the monotonic time `done` (a `reserve` result)."""
         delay = done - time.monotonic()
         if delay > 0:
             time.sleep(delay)

@@ -20,6 +20,7 @@ The first token. Both serving paths need the logits at the last prompt position;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -159,12 +160,13 @@ def layer_form(store: RemoteStore, ns: Namespace, tokens, body: dict, i: int, ca
         return SwaWindow(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
     if k.shape[1] != P:
         raise CorruptEntry(f"layer {i}: {k.shape[1]} rows, prefix has {P}")
-    K, _, D = k.shape
-    kk = np.zeros((1, K, capacity, D), k.dtype)
-    vv = np.zeros((1, K, capacity, D), v.dtype)
-    kk[0, :, :P] = k
-    vv[0, :, :P] = v
-    return DenseKV(k=jnp.asarray(kk), v=jnp.asarray(vv), length=seen)
+    return DenseKV(k=_to_capacity(k, capacity=capacity), v=_to_capacity(v, capacity=capacity), length=seen)
+
+
+@functools.partial(jax.jit, static_argnames="capacity")
+def _to_capacity(rows, *, capacity: int):
+    """[K, P, D] prompt rows -> [1, K, capacity, D] with zeros after them (what prefill leaves in the slots)."""
+    return jnp.pad(rows, ((0, 0), (0, capacity - rows.shape[1]), (0, 0)))[None]
 
 
 def read_draft(store: RemoteStore, ns: Namespace, tokens, body: dict) -> DraftCache:

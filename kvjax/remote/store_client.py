@@ -38,12 +38,14 @@ def _pack(header: dict, payload: bytes) -> bytes:
     return len(h).to_bytes(8, "little") + h + payload
 
 
-def _unpack(buf: bytes, what: str) -> tuple[dict, bytes]:
+def _unpack(buf, what: str):
+    """(header dict, payload view) of one stored value (bytes or memoryview; the payload is not copied)."""
+    buf = memoryview(buf)
     if len(buf) < 8:
         raise CorruptEntry(f"{what}: truncated, no header length")
     hl = int.from_bytes(buf[:8], "little")
     try:
-        header = json.loads(buf[8:8 + hl])
+        header = json.loads(bytes(buf[8:8 + hl]))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptEntry(f"{what}: unreadable header ({e})") from None
     if not isinstance(header, dict):
@@ -121,26 +123,41 @@ class RemoteStore:
         header, payload = _unpack(buf, f"manifest {name}")
         self._check(header, dict(self._ident(ns_hex, prefix_hex, name), kind="manifest"), payload, f"manifest {name}")
         try:
-            return json.loads(payload)
+            return json.loads(bytes(payload))
         except ValueError as e:
             raise CorruptEntry(f"manifest {name}: unreadable body ({e})") from None
 
-    def get_bundle(self, ns_hex: str, prefix_hex: str, record: dict) -> dict[str, np.ndarray]:
-        """Read, pace and verify every chunk of a bundle in order; returns its arrays (read-only views)."""
-        name, n = record["name"], record["chunks"]
+    def get_bundle(self, ns_hex: str, prefix_hex: str, record: dict, lookahead: int = 3) -> dict[str, np.ndarray]:
+        """Read, pace and verify every chunk of a bundle in order; returns its arrays (read-only views).
+
+        A chunk's bytes are booked on the link when its read is ISSUED (they start crossing the link then), and the
+        chunk is handed over once both the local read and the link time are done; `lookahead` reads are in flight,
+        so verifying one chunk overlaps the transfer of the next ones.
+        """
+        name, n, cb = record["name"], record["chunks"], record["chunk_bytes"]
         keys = [self._key(ns_hex, prefix_hex, name, f"{i:06d}") for i in range(n)]
+        sizes = [min(cb, record["nbytes"] - i * cb) for i in range(n)]
         buf = bytearray(record["nbytes"])
-        pending = [self.kv.read(k) for k in keys[:2]]  # keep one read ahead of the link
+        pending = []
+
+        def issue(i):
+            pending.append((self.kv.read(keys[i]), self.link.reserve(max(sizes[i], 0))))
+
+        for i in range(min(lookahead, n)):
+            issue(i)
         pos = 0
         for i in range(n):
-            raw = pending.pop(0).result()
-            if i + 2 < n:
-                pending.append(self.kv.read(keys[i + 2]))
+            fut, done = pending.pop(0)
+            if i + lookahead < n:
+                issue(i + lookahead)
+            raw = fut.result()
             what = f"bundle {name} chunk {i}/{n}"
             if raw.state != "value":
                 raise CorruptEntry(f"{what}: missing from the store")
-            value = bytes(raw.value)
-            self.link.transfer(len(value))
+            value = memoryview(raw.value)
+            if len(value) > sizes[i]:  # the header crosses the link too
+                done = self.link.reserve(len(value) - sizes[i])
+            self.link.wait_until(done)
             header, piece = _unpack(value, what)
             self._check(header, dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n), piece, what)
             if header["checksum"] != record["checksums"][i]:
