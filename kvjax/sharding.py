@@ -35,6 +35,28 @@ _ROW = ("wo", "w_down")  # [in, out]: heads / intermediate are the input rows
 _VECTOR = ("bq", "bk", "bv")  # [N*D] / [K*D] biases follow their projections' columns
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """Put `x` (the same value in every process) on `sharding`.
+
+    One process: `jax.device_put` (device to device, no host round trip). Several processes (multi-host): each
+    process fills only its own devices' shards from its copy (`jax.make_array_from_callback`), which is valid
+    whether or not the mesh spans other hosts' devices.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def to_numpy(x) -> np.ndarray:
+    """A (possibly multi-host) array as a NumPy array in every process (`process_allgather` when not addressable)."""
+    if getattr(x, "is_fully_addressable", True) or getattr(x, "is_fully_replicated", False):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
     """A `dp x tp` mesh with axes ("dp", "tp") over the first `dp * tp` devices.
 
@@ -117,7 +139,7 @@ def shard_params(params, config, mesh: Mesh, *, vocab: bool | None = None):
         the params pytree of `jax.Array`s with `NamedSharding`s (same structure and values).
     """
     specs = param_specs(params, config, mesh.shape[TP], vocab=vocab)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, specs)
 
 
 def shard_model(model, mesh: Mesh, *, vocab: bool | None = None):
@@ -153,7 +175,7 @@ def shard_cache(cache, mesh: Mesh):
     Every array leaf is `[B, ...]`; leaves of rank >= 3 are `[B, K, ...]` (DenseKV/SwaWindow k, v `[B, K, S, D]`,
     per-head positions `[B, K, S]`).
     """
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, cache_spec(x.shape, mesh))), cache)
+    return jax.tree.map(lambda x: place(x, NamedSharding(mesh, cache_spec(x.shape, mesh))), cache)
 
 
 def init_sharded_cache(config, batch: int, capacity: int, mesh: Mesh, dtype=None):

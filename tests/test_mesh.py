@@ -83,6 +83,71 @@ def _mesh_report(model_dir: str) -> dict:
     return report
 
 
+def _multihost_run(model_dir: str, process_id: int, num_processes: int, port: int, out: str) -> None:
+    """One process of a tp=2 x dp=2 run (jax.distributed over localhost); process 0 writes logits and tokens."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
+                                   process_id=process_id)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import kvjax
+    from kvjax import sharding as shd
+    from kvjax.decode import steps
+
+    model = kvjax.load(model_dir)
+    cfg = model.config
+    mesh = shd.make_mesh(tp=2, dp=2)
+    sm = shd.shard_model(model, mesh)
+    B, T = 2, 40
+    prompts = np.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)), np.int32)
+    cache = shd.init_sharded_cache(cfg, B, 256, mesh)
+    toks = shd.place(prompts, NamedSharding(mesh, P(shd.DP, None)))
+    n_valid = shd.place(np.asarray([T, T - 7], np.int32), NamedSharding(mesh, P(shd.DP)))
+    logits, cache = steps.forward_step(sm.params, cfg, cache, toks, n_valid)
+    first = jnp.argmax(logits[:, T - 8], -1).astype(jnp.int32)
+    gen, cache = steps.greedy_decode(sm.params, cfg, cache, first, num_steps=6)
+    res = dict(processes=jax.process_count(), devices=len(jax.devices()), local=len(jax.local_devices()),
+               logits=shd.to_numpy(logits).tolist(), tokens=shd.to_numpy(gen).tolist())
+    if jax.process_index() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+
+
+@pytest.mark.slow
+def test_two_processes(hf_model_dir, tmp_path):
+    """jax.distributed on localhost: 2 processes x 2 CPU devices (tp inside a process, dp across) = one process
+    with 4 devices, bit for bit."""
+    import socket
+
+    import numpy as np
+
+    _, d = hf_model_dir("llama_tied_linear")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    runs = {}
+    for n, devices in ((2, 2), (1, 4)):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+               "JAX_PLATFORMS": "cpu"}
+        out = str(tmp_path / f"p{n}.json")
+        procs = [subprocess.Popen([sys.executable, __file__, "multihost", d, str(i), str(n), str(port), out],
+                                  env=env, stderr=subprocess.PIPE, text=True) for i in range(n)]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+        with open(out) as f:
+            runs[n] = json.load(f)
+    assert (runs[2]["processes"], runs[2]["devices"], runs[2]["local"]) == (2, 4, 2)
+    assert np.array_equal(np.asarray(runs[2]["logits"]), np.asarray(runs[1]["logits"]))
+    assert runs[2]["tokens"] == runs[1]["tokens"]
+
+
 @pytest.fixture(scope="module")
 def mesh_report(hf_model_dir):
     _, d = hf_model_dir("llama_tied_linear")
@@ -143,4 +208,7 @@ def test_mesh_rules_fail_loudly():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-    print(json.dumps(_mesh_report(sys.argv[1])))
+    if sys.argv[1] == "multihost":
+        _multihost_run(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        print(json.dumps(_mesh_report(sys.argv[1])))
