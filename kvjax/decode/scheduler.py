@@ -23,6 +23,12 @@ Exactness. Every request's tokens equal `vericache.reference_decode` of its prom
 too): verification is the single-request verify step, a partial round pads its drafts with -1 (never accepted), and
 the batch only ever drafts.
 
+On the CPU the "host link" is the same memory bus and the same two cores the drafting uses, so hiding the copies
+can win little: the lock-step run's own per-phase costs bound staggering's gain over lock-step by the copies' share
+of the time (scripts/bench_scheduler.py prints that bound), and the per-iteration overhead of one-token draft calls
+eats part of it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule is for accelerators, where
+drafting reads device memory while the copies use the interconnect.
+
 Budget (`scheduler_memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
 batch (static slots of the first request's draft-cache shape) and the verification pool (`verify_slots` full caches
 plus one draft row of admission scratch) to fit `budget_bytes`. Requests that do not fit wait.
