@@ -129,13 +129,15 @@ def main(argv=None):
                         store = RemoteStore(root, link=Link(gbytes_per_s=gbps),
                                             chunk_bytes=int(args.chunk_mb * (1 << 20)))
                         toks, st = run_one(name, model, store, prompt, M, args)
+                        st["link_bytes"], st["link_busy_s"] = store.link.bytes, store.link.busy_s
                         if best is None or st["total_s"] < best[1]["total_s"]:
                             best = (toks, st)
                     toks, st = best
                     rec = dict(name=name, context=ctx, link_gbps=gbps, new_tokens=M, ttft_s=st["ttft_s"],
                                tokens_per_s=st["tokens_per_s"], identical_fraction=float(np.mean(toks == ref)),
                                total_s=st["total_s"], full_arrival_s=st.get("full_arrival_s"), source=st["source"],
-                               full_bytes=info["full_bytes"], draft_bytes=dbytes, reasons=st.get("reasons", []))
+                               full_bytes=info["full_bytes"], draft_bytes=dbytes, link_bytes=st["link_bytes"],
+                               link_busy_s=st["link_busy_s"], reasons=st.get("reasons", []))
                     for k in ("head_s", "drafted_ahead", "accepted_ahead", "verifications", "mean_accepted_per_round",
                               "ahead_s"):
                         if k in st:

@@ -90,8 +90,7 @@ def _find_full(model, store, ns, prompt, reasons):
 
 
 def _fetch_full_layers(model, store, ns, prompt, body, capacity):
-    layers = [pe.layer_form(store, ns, prompt, body, i, capacity, pe.kv_dtype(model))
-              for i in range(len(body["layers"]))]
+    layers = [form for _, form in pe.iter_layers(store, ns, prompt, body, capacity, pe.kv_dtype(model))]
     return ModelCache(layers=tuple(layers), length=jnp.full((1,), len(prompt), jnp.int32))
 
 
@@ -183,8 +182,7 @@ class _FullStream:
     def _run(self):
         model, store, ns, prompt, body, capacity = self._args
         try:
-            for i in range(len(self.layers)):
-                form = pe.layer_form(store, ns, prompt, body, i, capacity, pe.kv_dtype(model))
+            for i, form in pe.iter_layers(store, ns, prompt, body, capacity, pe.kv_dtype(model)):
                 self.layers[i] = jax.block_until_ready(form)
                 self.arrival_s.append(time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread

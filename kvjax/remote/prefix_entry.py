@@ -147,20 +147,24 @@ def read_head(store: RemoteStore, ns: Namespace, tokens, body: dict) -> np.ndarr
     return head["logits"]
 
 
-def layer_form(store: RemoteStore, ns: Namespace, tokens, body: dict, i: int, capacity: int, dtype):
-    """Fetch layer i and place it in a full-cache form of `capacity` slots (exactly as prefill leaves it)."""
+def iter_layers(store: RemoteStore, ns: Namespace, tokens, body: dict, capacity: int, dtype):
+    """Stream the full cache's layers in layer order: yields (i, form) with each layer placed in a full-cache form
+    of `capacity` slots, exactly as prefill leaves it. Raises CorruptEntry at the first bad chunk."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
     P = len(tokens)
-    spec = body["layers"][i]
-    a = store.get_bundle(ns.hex, prefix_key(ns, tokens), body["bundles"][f"layer-{i:03d}"])
-    k, v = a["k"], a["v"]
-    if np.dtype(k.dtype) != np.dtype(dtype) or k.shape != v.shape or k.ndim != 3:
-        raise CorruptEntry(f"layer {i}: k {k.dtype}{k.shape}, v {v.dtype}{v.shape}, expected {np.dtype(dtype)}")
-    seen = jnp.full((1,), P, jnp.int32)
-    if spec["kind"] == "swa":
-        return SwaWindow(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
-    if k.shape[1] != P:
-        raise CorruptEntry(f"layer {i}: {k.shape[1]} rows, prefix has {P}")
-    return DenseKV(k=_to_capacity(k, capacity=capacity), v=_to_capacity(v, capacity=capacity), length=seen)
+    recs = [body["bundles"][f"layer-{i:03d}"] for i in range(len(body["layers"]))]
+    for i, (_, a) in enumerate(store.iter_bundles(ns.hex, prefix_key(ns, tokens), recs)):
+        spec = body["layers"][i]
+        k, v = a["k"], a["v"]
+        if np.dtype(k.dtype) != np.dtype(dtype) or k.shape != v.shape or k.ndim != 3:
+            raise CorruptEntry(f"layer {i}: k {k.dtype}{k.shape}, v {v.dtype}{v.shape}, expected {np.dtype(dtype)}")
+        seen = jnp.full((1,), P, jnp.int32)
+        if spec["kind"] == "swa":
+            yield i, SwaWindow(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
+            continue
+        if k.shape[1] != P:
+            raise CorruptEntry(f"layer {i}: {k.shape[1]} rows, prefix has {P}")
+        yield i, DenseKV(k=_to_capacity(k, capacity=capacity), v=_to_capacity(v, capacity=capacity), length=seen)
 
 
 @functools.partial(jax.jit, static_argnames="capacity")

@@ -53,6 +53,15 @@ def _unpack(buf, what: str):
     return header, buf[8 + hl:]
 
 
+def _arrays(buf: bytearray, table: list[dict]) -> dict[str, np.ndarray]:
+    out = {}
+    for t in table:
+        a = np.frombuffer(buf, dtype=np.dtype(t["dtype"]), count=int(np.prod(t["shape"], dtype=np.int64)),
+                          offset=t["offset"])
+        out[t["name"]] = a.reshape(t["shape"])
+    return out
+
+
 class RemoteStore:
     """Prefix entries in a TensorStore kvstore, read through a bandwidth-capped `Link`.
 
@@ -128,52 +137,60 @@ class RemoteStore:
             raise CorruptEntry(f"manifest {name}: unreadable body ({e})") from None
 
     def get_bundle(self, ns_hex: str, prefix_hex: str, record: dict, lookahead: int = 3) -> dict[str, np.ndarray]:
-        """Read, pace and verify every chunk of a bundle in order; returns its arrays (read-only views).
+        """Read, pace and verify every chunk of one bundle; returns its arrays (read-only views)."""
+        return next(self.iter_bundles(ns_hex, prefix_hex, [record], lookahead))[1]
+
+    def iter_bundles(self, ns_hex: str, prefix_hex: str, records: list[dict], lookahead: int = 3):
+        """Stream bundles in order, yielding (record, arrays) as each completes.
 
         A chunk's bytes are booked on the link when its read is ISSUED (they start crossing the link then), and the
-        chunk is handed over once both the local read and the link time are done; `lookahead` reads are in flight,
-        so verifying one chunk overlaps the transfer of the next ones.
+        chunk is handed over once both the local read and its link time are done. `lookahead` reads are in flight
+        across bundle boundaries, so verifying one chunk overlaps the transfer of the next ones.
+
+        Raises:
+            CorruptEntry: at the first chunk failing a check (earlier bundles have been yielded).
         """
-        name, n, cb = record["name"], record["chunks"], record["chunk_bytes"]
-        keys = [self._key(ns_hex, prefix_hex, name, f"{i:06d}") for i in range(n)]
-        sizes = [min(cb, record["nbytes"] - i * cb) for i in range(n)]
-        buf = bytearray(record["nbytes"])
+        plan = []  # (bundle index, chunk index, key, payload size)
+        for b, rec in enumerate(records):
+            cb, n = rec["chunk_bytes"], rec["chunks"]
+            plan += [(b, i, self._key(ns_hex, prefix_hex, rec["name"], f"{i:06d}"),
+                      max(min(cb, rec["nbytes"] - i * cb), 0)) for i in range(n)]
         pending = []
 
-        def issue(i):
-            pending.append((self.kv.read(keys[i]), self.link.reserve(max(sizes[i], 0))))
+        def issue(j):
+            pending.append((self.kv.read(plan[j][2]), self.link.reserve(plan[j][3])))
 
-        for i in range(min(lookahead, n)):
-            issue(i)
-        pos = 0
-        for i in range(n):
+        for j in range(min(lookahead, len(plan))):
+            issue(j)
+        buf, pos = None, 0
+        for j, (b, i, _, size) in enumerate(plan):
+            rec = records[b]
+            if i == 0:
+                buf, pos = bytearray(rec["nbytes"]), 0
             fut, done = pending.pop(0)
-            if i + lookahead < n:
-                issue(i + lookahead)
+            if j + lookahead < len(plan):
+                issue(j + lookahead)
             raw = fut.result()
+            n, name = rec["chunks"], rec["name"]
             what = f"bundle {name} chunk {i}/{n}"
             if raw.state != "value":
                 raise CorruptEntry(f"{what}: missing from the store")
             value = memoryview(raw.value)
-            if len(value) > sizes[i]:  # the header crosses the link too
-                done = self.link.reserve(len(value) - sizes[i])
+            if len(value) > size:  # the header crosses the link too
+                done = self.link.reserve(len(value) - size)
             self.link.wait_until(done)
             header, piece = _unpack(value, what)
             self._check(header, dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n), piece, what)
-            if header["checksum"] != record["checksums"][i]:
+            if header["checksum"] != rec["checksums"][i]:
                 raise CorruptEntry(f"{what}: checksum differs from the manifest's")
             if pos + len(piece) > len(buf):
-                raise CorruptEntry(f"{what}: more bytes than the manifest's {record['nbytes']}")
+                raise CorruptEntry(f"{what}: more bytes than the manifest's {rec['nbytes']}")
             buf[pos:pos + len(piece)] = piece
             pos += len(piece)
-        if pos != record["nbytes"]:
-            raise CorruptEntry(f"bundle {name}: {pos} bytes, manifest says {record['nbytes']}")
-        out = {}
-        for t in record["table"]:
-            a = np.frombuffer(buf, dtype=np.dtype(t["dtype"]), count=int(np.prod(t["shape"], dtype=np.int64)),
-                              offset=t["offset"])
-            out[t["name"]] = a.reshape(t["shape"])
-        return out
+            if i == n - 1:
+                if pos != rec["nbytes"]:
+                    raise CorruptEntry(f"bundle {name}: {pos} bytes, manifest says {rec['nbytes']}")
+                yield rec, _arrays(buf, rec["table"])
 
     @staticmethod
     def _check(header: dict, want: dict, payload: bytes, what: str) -> None:
