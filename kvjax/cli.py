@@ -5,7 +5,7 @@
                    [--tp N --dp N] [--json [PATH]]
     kvjax bench NAME [--json [PATH]] [-- SCRIPT ARGS]      run scripts/bench_NAME.py (`kvjax bench --list`)
     kvjax cache STORE [--namespace HEX] [--verify] [--evict HEX | --evict-corrupt] [--json [PATH]]
-    kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory] [--json [PATH]]
+    kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix] [--json [PATH]]
 
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
 Progress bars (tqdm) go to stderr on a terminal. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
@@ -140,9 +140,10 @@ def _decode_vericache(model, ids, args, stream: _Stream):
     import jax.numpy as jnp
 
     from kvjax.cache.forms import init_cache
-    from kvjax.decode import sampling, steps, vericache
+    from kvjax.decode import draft_steps, sampling, steps, vericache
 
     n = args.new_tokens
+    draft_steps.check_draft_len(model.config, args.draft_len)
     full = init_cache(model.config, 1, vericache.capacity_for(ids.size, n, args.draft_len), _cache_dtype(model))
     with _bar(ids.size, "prefill") as bar:
         logits, full = steps.prefill(model.params, model.config, full, ids, on_chunk=lambda d: bar.update(d - bar.n))
@@ -370,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="plot benchmark JSON (the plot is picked from the content)")
     pl.add_argument("paths", nargs="+", help="benchmark or `kvjax generate --json` result files")
     pl.add_argument("-o", "--output", required=True, help="PNG path")
-    pl.add_argument("--kind", default="auto", choices=["auto", "throughput", "accepted", "memory"])
+    pl.add_argument("--kind", default="auto", choices=["auto", "throughput", "accepted", "memory", "prefix"])
     add_json(pl)
     pl.set_defaults(fn=cmd_plot)
     return p

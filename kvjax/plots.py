@@ -4,6 +4,8 @@
   (`scripts/bench_scheduler.py`): device memory over time against the budget, and tokens emitted over time.
 - **throughput** — several result files, or one file that spans context lengths (`scripts/bench_kernels.py`'s
   `cached_tokens`): throughput (tokens/s, or GB/s for kernels) against context length, one line per contender.
+- **prefix** — prefix-cache records (`scripts/bench_prefix_cache.py`: kind lookup / restore): lookup latency
+  against cached prefix length, and restore time per tier against recomputing the prefix.
 - **accepted** — records carry `accepted_histogram` (`scripts/bench_vericache.py`, `kvjax generate --mode vericache
   --json`): the share of VeriCache rounds that accepted n drafted tokens, and the mean per contender.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-KINDS = ("throughput", "accepted", "memory")
+KINDS = ("throughput", "accepted", "memory", "prefix")
 
 
 def load(paths) -> list[tuple[str, dict]]:
@@ -45,6 +47,8 @@ def detect(docs) -> str:
     recs = [r for _, d in docs for r in _records(d)]
     if any(r.get("timeline") for r in recs):
         return "memory"
+    if any(r.get("kind") in ("lookup", "restore") and "prefix_tokens" in r for r in recs):
+        return "prefix"
     series, _ = throughput_series(docs)
     if any(len(v) > 1 for v in series.values()):
         return "throughput"
@@ -182,6 +186,46 @@ def plot_memory(docs, out: str) -> dict:
     return dict(runs=n)
 
 
+def plot_prefix(docs, out: str) -> dict:
+    recs = [r for _, d in docs for r in _records(d)]
+    look = sorted((r["prefix_tokens"], r["lookup_ms"], r.get("lookup_ms_p90")) for r in recs
+                  if r.get("kind") == "lookup" and "lookup_ms" in r)
+    rest = [r for r in recs if r.get("kind") == "restore" and "restore_ms" in r]
+    if not look and not rest:
+        raise ValueError("no prefix-cache lookup/restore records")
+    plt, (fig, (a1, a2)) = _figure(1, 2, figsize=(11, 4.5))
+    if look:
+        xs = [x for x, _, _ in look]
+        a1.plot(xs, [m for _, m, _ in look], marker="o", label="median")
+        if all(p is not None for _, _, p in look):
+            a1.plot(xs, [p for _, _, p in look], marker="s", ls="--", label="p90")
+        a1.set_xscale("log", base=2)
+        a1.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
+        a1.minorticks_off()
+        a1.set_ylim(bottom=0)
+        a1.legend(fontsize=8)
+    a1.set_xlabel("cached prefix (tokens)")
+    a1.set_ylabel("lookup + plan (ms)")
+    a1.set_title("prefix-cache lookup latency")
+    a1.grid(alpha=0.3)
+    if rest:
+        names = [f"restore\n{r.get('tier', '?')}" for r in rest] + ["recompute"]
+        ms = [r["restore_ms"] for r in rest] + [rest[0].get("recompute_ms", float("nan"))]
+        a2.bar(range(len(ms)), ms, color=["tab:blue"] * len(rest) + ["tab:gray"])
+        for i, r in enumerate(rest):
+            if r.get("speedup_vs_recompute"):
+                a2.text(i, ms[i], f"{r['speedup_vs_recompute']:.0f}x", ha="center", va="bottom", fontsize=8)
+        a2.set_xticks(range(len(ms)), names, fontsize=8)
+        a2.set_yscale("log")
+        a2.set_title(f"{rest[0].get('prefix_tokens', '?')}-token prefix: restore vs recompute")
+    a2.set_ylabel("ms (log)")
+    a2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(lookups=len(look), restores=len(rest))
+
+
 def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
     """Read benchmark JSON files, pick (or use) a plot kind, write a PNG to `out`. Returns (kind, info)."""
     docs = load(paths)
@@ -190,4 +234,5 @@ def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
         raise ValueError(f"unknown plot kind {kind!r}; one of {KINDS}")
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
-    return kind, {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory}[kind](docs, out)
+    fn = {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory, "prefix": plot_prefix}
+    return kind, fn[kind](docs, out)

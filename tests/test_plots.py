@@ -53,7 +53,12 @@ def test_content_picks_the_plot(tmp_path):
         dict(kernel="attend", implementation="xla", cached_tokens=s, gbps=g) for s, g in ((8192, 5.0), (32768, 7.0))]))
     gen = _write(tmp_path, "gen.json", dict(mode="vericache", prompt_tokens=1000, tokens_per_s=50.0,
                                             mean_accepted_per_round=3.0, accepted_histogram=[1, 2, 3]))
-    cases = {(one,): "accepted", (one, two): "throughput", (sch,): "memory", (kern,): "throughput", (gen,): "accepted"}
+    pref = _write(tmp_path, "prefix.json", [  # a bare list, as scripts/bench_prefix_cache.py writes it
+        dict(kind="lookup", prefix_tokens=1024, lookup_ms=0.2, lookup_ms_p90=0.3),
+        dict(kind="lookup", prefix_tokens=16384, lookup_ms=0.9, lookup_ms_p90=1.5),
+        dict(kind="restore", prefix_tokens=2048, tier="host", restore_ms=9.0, recompute_ms=4400.0,
+             speedup_vs_recompute=489.0)])
+    cases = {(pref,): "prefix", (one,): "accepted", (one, two): "throughput", (sch,): "memory", (kern,): "throughput", (gen,): "accepted"}
     for paths, kind in cases.items():
         assert plots.detect(plots.load(paths)) == kind, paths
     series, unit = plots.throughput_series(plots.load((one, two)))
