@@ -113,7 +113,7 @@ def main(argv=None):
             setup = RemoteStore(root, chunk_bytes=int(args.chunk_mb * (1 << 20)))
             t = time.perf_counter()
             info = df.store_prefix(model, setup, prompt, drafts=((args.compressor, {"ratio": args.ratio}),),
-                                   recent_slots=args.recent_slots)
+                                   recent_slots=args.recent_slots, max_new_tokens=M, max_draft=args.draft_len)
             store_s = time.perf_counter() - t
             ref = vc.reference_decode(model, prompt, M, draft_len=args.draft_len)
             for name in names:  # warm-up: compile every step shape once, uncapped

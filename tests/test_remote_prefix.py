@@ -40,7 +40,8 @@ def setup(hf_model_dir, tmp_path_factory):
     prompt = np.random.default_rng(0).integers(0, 97, P).astype(np.int32)
     root = str(tmp_path_factory.mktemp("remote"))
     store = RemoteStore(root, chunk_bytes=16 << 10)
-    info = df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING)
+    info = df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING,
+                           max_new_tokens=M, max_draft=X)
     ref = vc.reference_decode(model, prompt, M, draft_len=X)
     return model, prompt, root, store, info, ref
 
@@ -62,6 +63,7 @@ def test_full_fetch_exact(setup):
     toks, st = df.serve_full_fetch(model, store, prompt, M, draft_len=X, decoder="reference")
     assert st["source"] == "full-fetch"
     np.testing.assert_array_equal(toks, ref)
+    np.testing.assert_array_equal(df.reference_from_store(model, store, prompt, M, draft_len=X), ref)
 
 
 def test_identity_mismatch_is_a_miss(setup):
@@ -99,7 +101,8 @@ def _flip(path):
 def test_corrupt_entries_detected_never_produce_a_token(setup, tmp_path):
     model, prompt, _, _, _, ref = setup
     store = RemoteStore(str(tmp_path), chunk_bytes=16 << 10)
-    info = df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING)
+    info = df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING,
+                           max_new_tokens=M, max_draft=X)
     ns = pe.prefix_namespace(model)
     base = os.path.join(str(tmp_path), ns.hex, info["prefix"])
     # a full-cache chunk met by the background fetch: recomputed, drafts still verified
@@ -141,7 +144,8 @@ def test_sliding_window_model_draft_first_exact(hf_model_dir, tmp_path):
     model = load(hf_model_dir("mistral")[1])
     prompt = np.random.default_rng(1).integers(0, 97, 100).astype(np.int32)
     store = RemoteStore(str(tmp_path), chunk_bytes=16 << 10)
-    df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING)
+    df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), recent_slots=RING,
+                    max_new_tokens=12, max_draft=X)
     toks, st = df.serve_draft_first(model, store, prompt, 12, max_ahead=8, **DRAFT)
     assert st["source"] == "draft-first" and st["full_source"] == "store", st["reasons"]
     np.testing.assert_array_equal(toks, vc.reference_decode(model, prompt, 12, draft_len=X))

@@ -41,8 +41,14 @@ from kvjax.remote.store_client import RemoteStore
 
 # ---------------------------------------------------------------------------------------------------- storing
 def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming", {}),), recent_slots: int = 256,
-                 namespace=None) -> dict:
+                 max_new_tokens: int = 256, max_draft: int = 8, namespace=None) -> dict:
     """Prefill a prefix and write its full cache, last logits and one draft cache per (compressor, settings).
+
+    The prefill runs at the capacity `vericache.prefill_for` would use for (max_new_tokens, max_draft): XLA's
+    attention over a different capacity bucket may differ in the last bits, so requests of that size (and every
+    request of the same capacity bucket) get output equal to `vericache.reference_decode` bit for bit; any request
+    gets output equal to `reference_from_store` (full-cache reference decoding from the stored cache), which is the
+    exactness reference of remote serving. The capacity is recorded in the manifest.
 
     Args:
         prompt_ids: i32[P] the prefix.
@@ -54,7 +60,8 @@ def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming",
     """
     ns = namespace or pe.prefix_namespace(model)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
-    full = init_cache(model.config, 1, vc.capacity_for(prompt.size, 1, 1), pe.kv_dtype(model))
+    capacity = vc.capacity_for(prompt.size, max_new_tokens, max_draft)
+    full = init_cache(model.config, 1, capacity, pe.kv_dtype(model))
     logits, full = steps.prefill(model.params, model.config, full, prompt)
     body = pe.store_full(store, ns, prompt, logits, full)
     out = {"prefix": pe.prefix_key(ns, prompt), "drafts": [], "draft_bytes": {},
@@ -113,6 +120,17 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
         toks, st = vc.run_vericache(model, full, first, prompt, M, compressor=comp, draft_len=x)
         return toks, {"vericache": st}
     raise ValueError(f"unknown decoder {decoder!r}: expected plain, reference or vericache[:compressor]")
+
+
+def reference_from_store(model, store: RemoteStore, prompt_ids, max_new_tokens: int, *, draft_len: int = 8,
+                         namespace=None):
+    """The exactness reference of remote serving: verify-shape full-cache decoding from the STORED full cache.
+
+    Returns tokens i32[M], or None on a miss.
+    """
+    toks, st = serve_full_fetch(model, store, prompt_ids, max_new_tokens, draft_len=draft_len, decoder="reference",
+                                namespace=namespace, fallback=False)
+    return toks
 
 
 def recompute(model, prompt, M, *, draft_len: int = 8, decoder: str = "reference"):

@@ -100,7 +100,8 @@ def store_full(store: RemoteStore, ns: Namespace, tokens, logits, full: ModelCac
             arrays = {"k": np.asarray(form.k[0, :, :P]), "v": np.asarray(form.v[0, :, :P])}
             layers.append({"kind": "dense"})
         recs[f"layer-{i:03d}"] = store.put_bundle(ns.hex, pk, f"{FULL}-layer-{i:03d}", arrays)
-    body = {"format": FULL_FORMAT, "prompt_len": P, "layers": layers, "bundles": recs,
+    body = {"format": FULL_FORMAT, "prompt_len": P, "prefill_capacity": int(full.layers[0].k.shape[2]),
+            "layers": layers, "bundles": recs,
             "namespace": json.loads(ns.to_json())}
     store.put_manifest(ns.hex, pk, FULL, body)
     return body
