@@ -270,9 +270,11 @@ class VeriCacheScheduler:
         if not any(self.count[s] < limit[s] for s in self.live):
             return
         b, d = self.batch, self.drafts
+        # small per-call arrays go in as numpy: jit transfers them with its arguments (a jnp.asarray each would be
+        # one more dispatch, a measurable share of a one-token draft iteration)
         self.batch, self.drafts, _ = ss.draft_slots(
-            self.model.params, self.model.config, b, jnp.asarray(self.last), d, jnp.asarray(self.count),
-            jnp.asarray(limit), jnp.asarray(self.seeds), steps=steps, temperature=self.temperature)
+            self.model.params, self.model.config, b, self.last, d, self.count,
+            limit, self.seeds, steps=steps, temperature=self.temperature)
         moving = self.count < limit
         self.count = np.where(moving, np.minimum(self.count + steps, limit), self.count).astype(np.int32)
         self.stats["draft_calls"] += 1
@@ -318,12 +320,12 @@ class VeriCacheScheduler:
     def _verify_one(self, s: int, fetched) -> None:
         r = self.live[s]
         cfg, params = self.model.config, self.model.params
-        row, d = ss.take_row(self.batch, self.drafts, jnp.asarray(self.count), jnp.int32(s))
+        row, d = ss.take_row(self.batch, self.drafts, self.count, np.int32(s))
         emitted, n, tail, row, scratch = draft_steps.verify_offloaded(
-            params, cfg, fetched, r.tail, jnp.asarray([r.length], jnp.int32), jnp.asarray([r.prompt_len], jnp.int32),
-            row, jnp.asarray(self.last[s:s + 1]), d, self.qdummy, jnp.asarray(self.seeds[s:s + 1]),
+            params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
+            row, self.last[s:s + 1], d, self.qdummy, self.seeds[s:s + 1],
             temperature=self.temperature)
-        self.batch = ss.put_row(self.batch, row, jnp.int32(s))
+        self.batch = ss.put_row(self.batch, row, np.int32(s))
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
         del scratch
         new = np.asarray(emitted[0, :n_host + 1])
@@ -425,7 +427,7 @@ class VeriCacheScheduler:
         prompt_len = int(full.length[0])
         del full
         s = next(i for i in range(self.n_slots) if i not in self.live)
-        self.batch = ss.put_slot_row(self.batch, ss.pad_row(row, self.batch), jnp.int32(s))
+        self.batch = ss.put_slot_row(self.batch, ss.pad_row(row, self.batch), np.int32(s))
         del row
         r = _Live(idx=idx, req=req, slot=s, host_kv=host_kv, tail=tail, length=prompt_len, prompt_len=prompt_len,
                   tail_bytes=tail_bytes, out=[int(np.asarray(first)[0])])

@@ -91,7 +91,7 @@ class FullCacheScheduler:
                     active[s] = 0
                 admit_s += time.perf_counter() - ta
             if live:
-                nxt, cache = ss.full_batch_step(params, cfg, cache, jnp.asarray(tok), jnp.asarray(active))
+                nxt, cache = ss.full_batch_step(params, cfg, cache, tok, active)
                 mem.sample(emitted)
                 nxt = np.asarray(nxt)
                 steps += 1
@@ -114,7 +114,7 @@ class FullCacheScheduler:
 
     def _admit(self, cache: ModelCache, req: Request, s: int, mem: DeviceMemory, emitted: int):
         """Write a request's prefilled full cache into slot `s`, layer by layer (or prefill it on the device)."""
-        slot = jnp.int32(s)
+        slot = np.int32(s)
         if req.prefilled is not None:
             full, first = req.prefilled
         else:
