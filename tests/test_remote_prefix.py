@@ -108,7 +108,7 @@ def test_corrupt_entries_detected_never_produce_a_token(setup, tmp_path):
     # a full-cache chunk met by the background fetch: recomputed, drafts still verified
     _flip(sorted(glob.glob(os.path.join(base, "full-layer-001", "0*")))[1])
     toks, st = df.serve_draft_first(model, store, prompt, M, **DRAFT)
-    assert st["full_source"] == "recompute" and "checksum" in st["reasons"][0]
+    assert st["full_source"] == "recompute" and "CorruptEntry" in st["reasons"][0] and "checksum" in st["reasons"][0]
     np.testing.assert_array_equal(toks, ref)
     body = store.get_manifest(ns.hex, info["prefix"], pe.FULL)
     with pytest.raises(CorruptEntry, match="checksum"):

@@ -270,7 +270,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     first.block_until_ready()
     ttft = time.perf_counter() - t0
     seed = jnp.zeros((1,), jnp.int32)
-    ring = dcache.layers[0].recent.slots
+    ring = min(layer.recent.slots for layer in dcache.layers)
     ahead_cap = max(0, min(max_ahead, ring - x - 1) // x * x)
 
     # run ahead while the full cache streams in
@@ -287,8 +287,8 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     try:
         full = stream.wait()
         full_src = "store"
-    except CorruptEntry as e:
-        reasons.append(f"corrupt full entry during streaming: {e}; recomputed by prefill")
+    except Exception as e:  # noqa: BLE001 - corrupt or unreadable: a recompute is always correct
+        reasons.append(f"full entry failed during streaming ({type(e).__name__}: {e}); recomputed by prefill")
         full, _ = vc.prefill_for(model, prompt, M, max_draft=x)
         full_src = "recompute"
     jax.block_until_ready(full)
