@@ -88,7 +88,30 @@ class _Stream:
             sys.stdout.write("\n")
 
 
+def _simulate_host_devices(n: int) -> None:
+    """Ask XLA for `n` CPU devices; only possible before JAX has started its backends."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    started = False
+    if "jax" in sys.modules:  # imported is fine; XLA reads the flag when the first backend starts
+        try:
+            from jax._src import xla_bridge  # private, hence the fallback below
+
+            started = xla_bridge.backends_are_initialized()
+        except (ImportError, AttributeError):
+            started = True
+    if started:
+        import jax
+
+        if jax.device_count() < n:
+            raise CliError(f"--host-devices {n}: JAX already started with {jax.device_count()} devices "
+                           f"(set XLA_FLAGS={flag} in the environment instead)")
+        return
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
 def _load_model(args):
+    if args.host_devices:
+        _simulate_host_devices(args.host_devices)
     import kvjax
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
@@ -363,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh over heads)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--host-devices", type=int, default=0,
+                   help="CPU only: simulate N devices (sets XLA_FLAGS before JAX starts) to try --tp/--dp")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first (compiling) decode calls too")
     g.add_argument("--compare-full", action="store_true",

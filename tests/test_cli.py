@@ -73,6 +73,7 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
     (["generate", "--new-tokens", "4"], "give one of --prompt"),
     (["generate", "--prompt", "a", "--tp", "3"], "needs 3 devices"),
     (["generate", "--prompt", "a", "--new-tokens", "0"], "--new-tokens must be >= 1"),
+    (["generate", "--prompt", "a", "--host-devices", "64"], "JAX already started with"),
     (["bench", "nosuch"], "unknown benchmark 'nosuch'"),
     (["plot", "/nonexistent.json", "-o", "x.png"], "No such file"),
     (["cache", "/nonexistent/store"], "no prefix-cache store at /nonexistent/store"),
