@@ -271,10 +271,11 @@ class VeriCacheScheduler:
             return
         b, d = self.batch, self.drafts
         # small per-call arrays go in as numpy: jit transfers them with its arguments (a jnp.asarray each would be
-        # one more dispatch, a measurable share of a one-token draft iteration)
+        # one more dispatch, a measurable share of a one-token draft iteration). Copies: on the CPU a numpy argument
+        # may be used in place, and these host arrays are updated while the call may still be running.
         self.batch, self.drafts, _ = ss.draft_slots(
-            self.model.params, self.model.config, b, self.last, d, self.count,
-            limit, self.seeds, steps=steps, temperature=self.temperature)
+            self.model.params, self.model.config, b, self.last.copy(), d, self.count.copy(),
+            limit, self.seeds.copy(), steps=steps, temperature=self.temperature)
         moving = self.count < limit
         self.count = np.where(moving, np.minimum(self.count + steps, limit), self.count).astype(np.int32)
         self.stats["draft_calls"] += 1
@@ -320,10 +321,10 @@ class VeriCacheScheduler:
     def _verify_one(self, s: int, fetched) -> None:
         r = self.live[s]
         cfg, params = self.model.config, self.model.params
-        row, d = ss.take_row(self.batch, self.drafts, self.count, np.int32(s))
+        row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s))
         emitted, n, tail, row, scratch = draft_steps.verify_offloaded(
             params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
-            row, self.last[s:s + 1], d, self.qdummy, self.seeds[s:s + 1],
+            row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
             temperature=self.temperature)
         self.batch = ss.put_row(self.batch, row, np.int32(s))
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this

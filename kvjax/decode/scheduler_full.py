@@ -91,7 +91,7 @@ class FullCacheScheduler:
                     active[s] = 0
                 admit_s += time.perf_counter() - ta
             if live:
-                nxt, cache = ss.full_batch_step(params, cfg, cache, tok, active)
+                nxt, cache = ss.full_batch_step(params, cfg, cache, tok.copy(), active.copy())
                 mem.sample(emitted)
                 nxt = np.asarray(nxt)
                 steps += 1
