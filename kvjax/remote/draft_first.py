@@ -244,7 +244,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []
     body = _find_full(model, store, ns, prompt, reasons)
-    dbody, dcache, logits = None, None, None
+    dbody, dcache, logits, stream = None, None, None, None
     if body is not None:
         try:
             dbody = store.get_manifest(ns.hex, pe.prefix_key(ns, prompt), pe.draft_name(ident))
@@ -255,17 +255,19 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
                 dbody = None
             else:
                 logits = pe.read_head(store, ns, prompt, body)
-                dcache = pe.read_draft(store, ns, prompt, dbody)
+                draft_arrays = store.get_bundle(ns.hex, pe.prefix_key(ns, prompt), dbody["bundle"])
+                stream = _FullStream(model, store, ns, prompt, body, vc.capacity_for(P, M, x))  # link free now
+                dcache = pe.draft_from_arrays(prompt, dbody, draft_arrays)
         except CorruptEntry as e:
             reasons.append(f"corrupt draft/head entry: {e}")
             dcache = None
     if dcache is None:
+        if stream is not None:
+            stream.done.wait()
         toks, st = serve_full_fetch(model, store, prompt, M, draft_len=x, decoder=fallback_decoder, namespace=ns)
         st["reasons"] = reasons + st.get("reasons", [])
         return toks, st
 
-    capacity = vc.capacity_for(P, M, x)
-    stream = _FullStream(model, store, ns, prompt, body, capacity)  # the link is free now: draft came first
     first = _first(logits)
     first.block_until_ready()
     ttft = time.perf_counter() - t0

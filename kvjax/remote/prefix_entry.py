@@ -177,7 +177,11 @@ def _to_capacity(rows, *, capacity: int):
 def read_draft(store: RemoteStore, ns: Namespace, tokens, body: dict) -> DraftCache:
     """Fetch a draft cache's bundle and rebuild the `DraftCache` (empty recent rings)."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    a = store.get_bundle(ns.hex, prefix_key(ns, tokens), body["bundle"])
+    return draft_from_arrays(tokens, body, store.get_bundle(ns.hex, prefix_key(ns, tokens), body["bundle"]))
+
+
+def draft_from_arrays(tokens, body: dict, a: dict) -> DraftCache:
+    """Rebuild a `DraftCache` from its manifest and fetched bundle arrays."""
     layers = []
     for i, spec in enumerate(body["layers"]):
         parts = []
