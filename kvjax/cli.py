@@ -201,6 +201,21 @@ def _decode_vericache(model, ids, args, stream: _Stream):
     return out, {**stats, "warmup_s": round(warm_s, 3)}
 
 
+def _decode_family(model, ids, args):
+    """Models with their own family API (DeepSeek-V4): plain greedy or that family's VeriCache, no mesh/compare."""
+    import kvjax
+
+    if args.compare_full or args.tp * args.dp > 1 or args.offload:
+        raise CliError(f"--compare-full, --tp/--dp and --offload support the Llama family only, not "
+                       f"{model.config.family}")
+    if args.mode == "full":
+        return kvjax.generate(model, ids, max_new_tokens=args.new_tokens, stop_at_eos=False), {}
+    from kvjax.models import deepseek_v4_vericache
+
+    out, stats = deepseek_v4_vericache.generate_vericache(model, ids, args.new_tokens, x=args.draft_len)
+    return out, stats
+
+
 def cmd_generate(args) -> dict:
     import numpy as np
 
@@ -212,7 +227,10 @@ def cmd_generate(args) -> dict:
          f"prompt {ids.size} tokens, generating {args.new_tokens} ({args.mode})")
     stream = _Stream(model.tokenizer, enabled=not args.json_stdout)
     t0 = time.perf_counter()
-    if args.mode == "full":
+    if getattr(model, "family_api", None) is not None:  # DeepSeek-V4: its own decoders, text at the end
+        out, stats = _decode_family(model, ids, args)
+        stream.add(out)
+    elif args.mode == "full":
         out, stats = _decode_full(model, ids, args.new_tokens, stream, warmup=args.warmup)
     else:
         out, stats = _decode_vericache(model, ids, args, stream)
