@@ -201,12 +201,20 @@ def main(argv=None):
             stagger=args.stagger, draft_chunk=args.draft_chunk, max_slots=args.max_slots,
             verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
     ]
-    results = []
+    warm = {}
     for name, make in contenders:
         t0 = time.perf_counter()
         make().run(requests(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
-        t_warm = time.perf_counter() - t0
-        runs = sorted((make().run(requests(M)) for _ in range(args.repeats)), key=lambda r: r.wall_s)
+        warm[name] = time.perf_counter() - t0
+    # repeats interleaved round-robin, so a change in the shared CPU's load hits every contender alike
+    all_runs = {name: [] for name, _ in contenders}
+    for _ in range(args.repeats):
+        for name, make in contenders:
+            all_runs[name].append(make().run(requests(M)))
+    results = []
+    for name, make in contenders:
+        t_warm = warm[name]
+        runs = sorted(all_runs[name], key=lambda r: r.wall_s)
         res = runs[0]  # best of --repeats: the shared CPU's interference only ever slows a run down
         same = [np.array_equal(res.outputs[i], refs[i]) for i in range(R)]
         match = [float(np.mean(res.outputs[i] == refs[i])) for i in range(R)]
