@@ -413,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_json(g)
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="run a benchmark suite (scripts/bench_NAME.py); script args after --")
+    b = sub.add_parser("bench", help="run a benchmark suite (scripts/bench_NAME.py); script args after --",
+                       description="Runs scripts/bench_NAME.py from the repository root (relative paths in the "
+                                   "script's arguments resolve from there).")
     b.add_argument("name", nargs="?")
     b.add_argument("--list", action="store_true", help="list the suites")
     add_json(b)
