@@ -93,7 +93,8 @@ def main(argv=None):
     ap.add_argument("--compressor", default="streaming")
     ap.add_argument("--ratio", type=float, default=4.0, help="draft compression ratio (full tokens / kept)")
     ap.add_argument("--draft-len", type=int, default=8)
-    ap.add_argument("--max-ahead", type=int, default=128, help="tokens drafted before the full cache arrives")
+    ap.add_argument("--max-ahead", type=int, default=None,
+                    help="most tokens drafted before the full cache arrives (default: one round of x)")
     ap.add_argument("--recent-slots", type=int, default=256)
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="store chunk size (the link's pacing unit)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per contender; the best is kept")

@@ -219,7 +219,7 @@ class _FullStream:
 
 def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int, *,
                       compressor: str | Compressor = "streaming", compressor_kw: dict | None = None,
-                      recent_slots: int = 256, draft_len: int = 8, max_ahead: int = 128, namespace=None,
+                      recent_slots: int = 256, draft_len: int = 8, max_ahead: int | None = None, namespace=None,
                       fallback_decoder: str = "reference"):
     """Draft-first VeriCache serving of a stored prefix (greedy). Returns (tokens i32[M], stats).
 
@@ -227,6 +227,8 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
         compressor, compressor_kw, recent_slots: the draft cache wanted (its identity; must match a stored one).
         draft_len: x, drafts per verification (static; the reference decoder's verify shape).
         max_ahead: most tokens drafted before the full cache has arrived (whole rounds of x; bounded by the ring).
+            Default one round (x): a queued round is only used if every draft before it was accepted, which is
+            rare at realistic acceptance, and on a shared CPU drafting further ahead slows the fetch it waits for.
         fallback_decoder: decoder of the fetch-full fallback taken when the draft entry is missing or corrupt.
 
     Returns:
@@ -273,7 +275,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     ttft = time.perf_counter() - t0
     seed = jnp.zeros((1,), jnp.int32)
     ring = min(layer.recent.slots for layer in dcache.layers)
-    ahead_cap = max(0, min(max_ahead, ring - x - 1) // x * x)
+    ahead_cap = max(0, min(x if max_ahead is None else max_ahead, ring - x - 1) // x * x)
 
     # run ahead while the full cache streams in
     queue: list[int] = []
