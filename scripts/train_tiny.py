@@ -186,6 +186,9 @@ def main(argv=None):
     if os.path.exists(orbax_dir):
         shutil.rmtree(orbax_dir)
     save_orbax(orbax_dir, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
+    marker = os.path.join(orbax_dir, "commit_success.txt")  # names this machine's path; restore does not need it
+    if os.path.exists(marker):
+        os.remove(marker)
     if os.path.abspath(args.tokenizer) != os.path.abspath(args.out):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(args.tokenizer, name), os.path.join(args.out, name))
@@ -220,6 +223,11 @@ def main(argv=None):
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "log"}, indent=2))
+    if args.family == "llama":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import model_card
+
+        model_card.main([args.out])
 
 
 if __name__ == "__main__":
