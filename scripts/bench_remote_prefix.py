@@ -1,8 +1,8 @@
 """Benchmark: remote prefix caching — fetch-full-then-decode vs draft-first VeriCache, side by side in one run.
 
 For every (context length, link bandwidth) pair a held-out prefix of that length is prefilled once and stored (full
-cache, last logits, one StreamingLLM draft) in a TensorStore `file://` store; the store client's `Link` models a
-remote link of the given bandwidth (reads are delayed so bytes/s <= cap; see `kvjax.remote.link`). Contenders:
+cache, last logits, one draft cache — KVzip-style by default, built once at store time) in a TensorStore `file://`
+store; the store client's `Link` models a remote link of the given bandwidth (reads are delayed so bytes/s <= cap; see `kvjax.remote.link`). Contenders:
   - full-fetch:           fetch logits + the whole full cache over the link, then plain one-token greedy decoding
                           (`steps.greedy_decode`, the fastest full-cache decoder); first token after the fetch;
   - draft-first:          fetch logits + the draft cache, emit the first token, draft while the full cache streams
@@ -90,7 +90,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--link-gbps", type=float, nargs="+", default=[1.0, 3.0],
                     help="link bandwidths in GB/s (gigaBYTES per second, 1e9 B/s), modelled by kvjax.remote.Link")
-    ap.add_argument("--compressor", default="streaming")
+    ap.add_argument("--compressor", default="kvzip",
+                    help="draft compressor (built once, when the prefix is stored: KVzip's extra prefill is amortized)")
     ap.add_argument("--ratio", type=float, default=4.0, help="draft compression ratio (full tokens / kept)")
     ap.add_argument("--draft-len", type=int, default=8)
     ap.add_argument("--max-ahead", type=int, default=None,
