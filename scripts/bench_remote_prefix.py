@@ -2,7 +2,8 @@
 
 For every (context length, link bandwidth) pair a held-out prefix of that length is prefilled once and stored (full
 cache, last logits, one draft cache — KVzip-style by default, built once at store time) in a TensorStore `file://`
-store; the store client's `Link` models a remote link of the given bandwidth (reads are delayed so bytes/s <= cap; see `kvjax.remote.link`). Contenders:
+store; the store client's `Link` models a remote link of the given bandwidth (reads are delayed so bytes/s <= cap;
+see `kvjax.remote.link`). Contenders:
   - full-fetch:           fetch logits + the whole full cache over the link, then plain one-token greedy decoding
                           (`steps.greedy_decode`, the fastest full-cache decoder); first token after the fetch;
   - draft-first:          fetch logits + the draft cache, emit the first token, draft while the full cache streams
