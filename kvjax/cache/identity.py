@@ -34,20 +34,20 @@ PAYLOAD_DOMAIN = b"kvjax.payload1"
 ROOT_KEY = bytes(32)
 
 
-def _canonical(obj: Any) -> Any:
+def canonical(obj: Any) -> Any:
     """JSON-safe canonical form: tuples -> lists, floats by repr (so 1.0 and 1 differ), dataclasses -> dicts."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {"__type__": type(obj).__name__, **{k: _canonical(v) for k, v in dataclasses.asdict(obj).items()}}
+        return {"__type__": type(obj).__name__, **{k: canonical(v) for k, v in dataclasses.asdict(obj).items()}}
     if isinstance(obj, Mapping):
-        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if isinstance(obj, (list, tuple)):
-        return [_canonical(v) for v in obj]
+        return [canonical(v) for v in obj]
     if isinstance(obj, float):
         return {"f": repr(obj)}
     if isinstance(obj, (bool, int, str)) or obj is None:
         return obj
     if isinstance(obj, (np.integer, np.floating)):
-        return _canonical(obj.item())
+        return canonical(obj.item())
     return {"repr": repr(obj)}
 
 
@@ -90,7 +90,7 @@ class Namespace:
 
     @functools.cached_property
     def digest(self) -> bytes:
-        body = json.dumps({"semantic": _canonical(self.semantic), "representation": _canonical(self.representation),
+        body = json.dumps({"semantic": canonical(self.semantic), "representation": canonical(self.representation),
                            "tenant_salt": self.tenant_salt}, sort_keys=True, separators=(",", ":"))
         return digest(NAMESPACE_DOMAIN, body.encode())
 
@@ -100,8 +100,8 @@ class Namespace:
 
     def flat_fields(self) -> dict[str, str]:
         """`part.field` -> canonical JSON of its value (used to name the fields that make two namespaces differ)."""
-        out = {f"semantic.{k}": json.dumps(_canonical(v), sort_keys=True) for k, v in self.semantic.items()}
-        out.update({f"representation.{k}": json.dumps(_canonical(v), sort_keys=True)
+        out = {f"semantic.{k}": json.dumps(canonical(v), sort_keys=True) for k, v in self.semantic.items()}
+        out.update({f"representation.{k}": json.dumps(canonical(v), sort_keys=True)
                     for k, v in self.representation.items()})
         out["tenant_salt"] = json.dumps(self.tenant_salt)
         return out
@@ -112,7 +112,7 @@ class Namespace:
         return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
     def to_json(self) -> str:
-        return json.dumps({"semantic": _canonical(self.semantic), "representation": _canonical(self.representation),
+        return json.dumps({"semantic": canonical(self.semantic), "representation": canonical(self.representation),
                            "tenant_salt": self.tenant_salt}, sort_keys=True)
 
 

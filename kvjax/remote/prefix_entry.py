@@ -29,7 +29,7 @@ import numpy as np
 
 from kvjax.cache.draft_forms import DraftCache, DraftLayer, QuantizedKV, RecentKV, SparseKV
 from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.cache.identity import Namespace, _canonical, digest, make_namespace, weights_fingerprint
+from kvjax.cache.identity import Namespace, canonical, digest, make_namespace, weights_fingerprint
 from kvjax.cache.tiers import CorruptEntry
 from kvjax.remote.store_client import RemoteStore
 
@@ -65,7 +65,7 @@ def prefix_key(ns: Namespace, tokens) -> str:
 def draft_identity(compressor, recent_slots: int) -> dict:
     """The draft cache's representation identity: compressor name + all its settings + ring size + format."""
     settings = {f.name: getattr(compressor, f.name) for f in dataclasses.fields(compressor)}
-    return {"format": DRAFT_FORMAT, "compressor": compressor.name, "settings": _canonical(settings),
+    return {"format": DRAFT_FORMAT, "compressor": compressor.name, "settings": canonical(settings),
             "recent_slots": int(recent_slots)}
 
 
