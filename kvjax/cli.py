@@ -41,7 +41,7 @@ def _bar(total: int, desc: str):
 
 
 # ------------------------------------------------------------------------------------------------ generate
-def _prompt_ids(args, model) -> "np.ndarray":
+def _prompt_ids(args, model):
     import numpy as np
 
     tok = model.tokenizer

@@ -34,29 +34,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import kvjax  # noqa: E402
+from bench_common import random_model_like  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.remote import Link, RemoteStore  # noqa: E402
 from kvjax.remote import draft_first as df  # noqa: E402
 
 
 def load_model(checkpoint: str, random: bool):
-    from kvjax import api
-    from kvjax.config import FULL, ModelConfig, RopeConfig
-    from kvjax.models import llama
-
-    if not random:
-        return api.load(checkpoint)
-    tok = None
-    if os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
-        from kvjax.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(checkpoint)
-    V = tok.vocab_size if tok is not None else 4096
-    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
-                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
-    return api.Model(config=cfg, params=llama.init_params(cfg, jax.random.key(0)), tokenizer=tok, path=None,
-                     dtype="f32")
+    """The trained checkpoint, or a random model of its shape."""
+    return random_model_like(checkpoint) if random else kvjax.load(checkpoint)
 
 
 def get_prompt(model, n_tokens: int, seed: int):

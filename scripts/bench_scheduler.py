@@ -38,44 +38,12 @@ from kvjax.cache.forms import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
 from kvjax.decode import draft_steps  # noqa: E402
 from kvjax.decode import scheduler as sch  # noqa: E402
 from kvjax.decode.scheduler_full import FullCacheScheduler  # noqa: E402
+from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
                  "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128)}
 
 
-def load_model(checkpoint: str, random: bool):
-    from kvjax import api
-    from kvjax.config import FULL, ModelConfig, RopeConfig
-    from kvjax.models import llama
-
-    if not random and os.path.exists(os.path.join(checkpoint, "config.json")):
-        return api.load(checkpoint), checkpoint
-    if not random:
-        print(f"[bench] no trained checkpoint in {checkpoint}: using a random model of its shape", flush=True)
-    tok = None
-    if os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
-        from kvjax.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(checkpoint)
-    V = tok.vocab_size if tok is not None else 4096
-    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
-                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
-    params = llama.init_params(cfg, jax.random.key(0))
-    return api.Model(config=cfg, params=params, tokenizer=tok, path=None, dtype="f32"), "random-init"
-
-
-def get_prompts(model, n_tokens: int, count: int, seed: int):
-    if model.tokenizer is not None:
-        try:
-            from kvjax.data import corpus
-
-            ps = corpus.long_prompts(model.tokenizer, n_tokens, count, seed)
-            return [np.asarray(p, np.int32)[:n_tokens] for p in ps], "heldout corpus"
-        except Exception as e:  # noqa: BLE001 - fall back loudly
-            print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
 
 
 def reference(model, prefilled, M: int, x: int) -> np.ndarray:
@@ -159,10 +127,10 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
 
-    model, model_name = load_model(args.checkpoint, args.random)
+    model, model_name = load_bench_model(args.checkpoint, args.random)
     R, M, x = args.requests, args.new_tokens, args.draft_len
     P = args.context - M - x - 2  # prompt + new tokens + one verify block fill the --context bucket
-    prompts, source = get_prompts(model, P, R, args.seed)
+    prompts, source = bench_prompts(model, P, R, args.seed)
     ckw = dict(COMPRESSOR_KW[args.compressor])
     if args.ratio is not None:
         ckw["ratio"] = args.ratio

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvjax.compress import make_compressor  # noqa: E402
 from kvjax.decode import draft_steps, steps  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
+from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSORS = {
     "streaming": dict(ratio=4.0),
@@ -46,37 +47,6 @@ COMPRESSORS = {
 }
 
 
-def load_model(args):
-    from kvjax import api
-    from kvjax.config import FULL, ModelConfig, RopeConfig
-    from kvjax.models import llama
-
-    if not args.random:
-        return api.load(args.checkpoint)
-    tok = None
-    if os.path.exists(os.path.join(args.checkpoint, "tokenizer.json")):
-        from kvjax.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(args.checkpoint)
-    V = tok.vocab_size if tok is not None else 4096
-    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
-                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
-    params = llama.init_params(cfg, jax.random.key(0))
-    return api.Model(config=cfg, params=params, tokenizer=tok, path=None, dtype="f32")
-
-
-def get_prompts(model, n_tokens: int, count: int, seed: int):
-    if model.tokenizer is not None:
-        try:
-            from kvjax.data import corpus
-
-            ps = corpus.long_prompts(model.tokenizer, n_tokens, count, seed)
-            return [np.asarray(p, np.int32)[:n_tokens] for p in ps], "heldout corpus"
-        except Exception as e:  # noqa: BLE001 - fall back loudly
-            print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
 
 
 def copy(tree):
@@ -125,12 +95,12 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
 
-    model = load_model(args)
+    model, _ = load_bench_model(args.checkpoint, args.random)
     M, x = args.new_tokens, args.draft_len
     xs_adapt = (8, 16, 32)
     xmax = max(x, *xs_adapt, 8)
     P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
-    prompts, source = get_prompts(model, P, args.prompts, args.seed)
+    prompts, source = bench_prompts(model, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
     comps = {c: make_compressor(c, **COMPRESSORS[c]) for c in names}

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from kvjax.cache.draft_forms import QuantizedKV, SparseKV
 from kvjax.compress.base import Compressor, gather_tokens, protected_mask, round_up, sinks_and_recent, topk_positions
 from kvjax.compress.kvzip import kvzip_scores

@@ -21,7 +21,7 @@ from kvjax.cache.forms import ModelCache, init_cache
 from kvjax.decode import scheduler_steps as ss
 from kvjax.decode import vericache as vc
 from kvjax.decode.scheduler import Request, SchedulerResult
-from kvjax.decode.scheduler_memory import BudgetError, DeviceMemory, device_stats_peak, tree_bytes
+from kvjax.decode.scheduler_memory import BudgetError, DeviceMemory, device_stats_peak
 
 
 class FullCacheScheduler:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.config import SLIDING, ModelConfig
+from kvjax.cache.forms import ModelCache, SwaWindow
+from kvjax.config import ModelConfig
 from kvjax.models.attention_dispatch import attention as dispatched_attention
 from kvjax.models.common import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 
