@@ -83,10 +83,52 @@ Without rope scaling (same weights, plain RoPE):
 """ if plain_rows else "")
 
 
+def render_hybrid(ckpt: str) -> str:
+    """Model card of a DeepSeek-V4-style hybrid checkpoint trained by `train_tiny.py --family deepseek_v4`."""
+    with open(os.path.join(ckpt, "train_log.json")) as f:
+        log = json.load(f)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    rows = "\n".join(f"| {k} | {v} |" for k, v in log["val_ppl"].items())
+    rates = cfg.get("compress_rates", {})
+    return f"""# kvjax-hybrid-tiny
+
+A tiny DeepSeek-V4-style hybrid-attention model trained from scratch on the same Python standard-library corpus and
+tokenizer as `kvjax-code-tiny`, so the prefix-cache and VeriCache code paths for hybrid attention run on a model whose
+attention, compressors and lightning indexer were trained rather than random. It is far too small to write useful
+code.
+
+## Model
+- `deepseek_v4`, {cfg['num_hidden_layers']} layers: {', '.join(cfg['layer_types'])}; MLPs:
+  {', '.join(cfg['mlp_layer_types'])}.
+- Hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} query heads of dim {cfg['head_dim']} over one shared K=V
+  head, partial RoPE (factor {cfg['partial_rotary_factor']}), sliding window {cfg['sliding_window']}, CSA every
+  {rates.get('compressed_sparse_attention')} tokens with a lightning indexer ({cfg['index_n_heads']} heads, top
+  {cfg['index_topk']}), HCA every {rates.get('heavily_compressed_attention')} tokens, {cfg['n_routed_experts']} routed
+  experts (top {cfg['num_experts_per_tok']}) + 1 shared, hyper-connections x{cfg['hc_mult']}.
+- Parameters: {log['params']:,} ({log['weights_bytes_bf16'] / 2**20:.1f} MiB in bf16; f32 where transformers keeps
+  f32). `model.safetensors` loads in `transformers.DeepseekV4ForCausalLM` and in `kvjax.load`; Orbax copy in `orbax/`.
+
+## Recipe
+AdamW (Optax), peak LR {log['lr']}, {log['steps']} steps of {log['tokens_per_step']} tokens, the first
+{int(log['short_fraction'] * 100)}% at {log['short_context']}-token windows, the rest at {log['context']}; f32 on the
+2-core CPU machine, {log['train_seconds'] / 60:.1f} min of training. Final training loss {log['final_loss']:.3f}.
+
+Reproduce: `python scripts/train_tiny.py {' '.join(log.get('argv', []))}`
+
+## Validation perplexity (bf16 weights, f32 compute)
+| context | perplexity |
+|---|---|
+{rows}
+"""
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ckpt = argv[0] if argv else "checkpoints/kvjax-code-tiny"
-    text = render(ckpt)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        family = json.load(f).get("model_type")
+    text = render_hybrid(ckpt) if family == "deepseek_v4" else render(ckpt)
     with open(os.path.join(ckpt, "README.md"), "w") as f:
         f.write(text)
     print(text)

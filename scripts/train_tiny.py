@@ -223,11 +223,10 @@ def main(argv=None):
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "log"}, indent=2))
-    if args.family == "llama":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import model_card
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import model_card
 
-        model_card.main([args.out])
+    model_card.main([args.out])
 
 
 if __name__ == "__main__":
