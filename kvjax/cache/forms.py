@@ -38,6 +38,26 @@ def pick_capacity(tokens_needed: int, buckets: tuple[int, ...] = CAPACITY_BUCKET
     raise CapacityError(f"{tokens_needed} tokens exceed the largest cache capacity {buckets[-1]}")
 
 
+def ring_slot_positions(seen: jax.Array, window: int) -> jax.Array:
+    """i32[B, W] absolute position held by each slot of a ring (slot p % W holds p) after `seen[b]` writes; -1 empty."""
+    j = jnp.arange(window)[None, :]
+    last = seen[:, None] - 1
+    pos = last - jnp.mod(last - j, window)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def ring_write_sources(seen: jax.Array, n_valid: jax.Array, window: int, T: int) -> tuple[jax.Array, jax.Array]:
+    """Which of `T` incoming rows each ring slot takes when `n_valid[b]` of them are rolled in.
+
+    Each slot takes the newest incoming position congruent to it mod W, so the update is a gather, deterministic
+    even when T > W. Returns (src i32[B, W] row index clipped to [0, T), take bool[B, W] whether the slot changes).
+    """
+    newest = ring_slot_positions(seen + n_valid, window)  # newest position landing in each slot
+    src = newest - seen[:, None]  # row of the incoming block, valid if 0 <= src < n_valid
+    take = (src >= 0) & (src < n_valid[:, None])
+    return jnp.clip(src, 0, T - 1), take
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseKV:
@@ -88,10 +108,7 @@ class SwaWindow:
 
     def slot_positions(self) -> jax.Array:
         """i32[B, W] absolute position held by each slot, -1 where empty."""
-        j = jnp.arange(self.window)[None, :]
-        last = self.seen[:, None] - 1
-        pos = last - jnp.mod(last - j, self.window)
-        return jnp.where(pos >= 0, pos, -1)
+        return ring_slot_positions(self.seen, self.window)
 
     def write(self, k_new: jax.Array, v_new: jax.Array, n_valid: jax.Array) -> "SwaWindow":
         """Roll `n_valid[b]` new tokens into the ring (only the last `window` of them survive).
@@ -99,21 +116,15 @@ class SwaWindow:
         Each slot takes the newest incoming position congruent to it mod W, so the update is a gather, deterministic
         even when T > W.
         """
-        T = k_new.shape[1]
-        W = self.window
-        j = jnp.arange(W)[None, :]
-        end = self.seen + n_valid  # [B]
-        newest = end[:, None] - 1 - jnp.mod(end[:, None] - 1 - j, W)  # newest position landing in slot j
-        src = newest - self.seen[:, None]  # row of k_new, valid if 0 <= src < n_valid
-        take = (src >= 0) & (src < n_valid[:, None])
-        src = jnp.clip(src, 0, T - 1)
+        src, take = ring_write_sources(self.seen, n_valid, self.window, k_new.shape[1])
         # [B, T, K, D] -> [B, K, T, D], then gather rows per slot
         kn = jnp.swapaxes(k_new, 1, 2).astype(self.k.dtype)
         vn = jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype)
         gk = jnp.take_along_axis(kn, src[:, None, :, None], axis=2)
         gv = jnp.take_along_axis(vn, src[:, None, :, None], axis=2)
         m = take[:, None, :, None]
-        return dataclasses.replace(self, k=jnp.where(m, gk, self.k), v=jnp.where(m, gv, self.v), seen=end)
+        return dataclasses.replace(self, k=jnp.where(m, gk, self.k), v=jnp.where(m, gv, self.v),
+                                   seen=self.seen + n_valid)
 
 
 @jax.tree_util.register_dataclass

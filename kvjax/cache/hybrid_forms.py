@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache.forms import ring_slot_positions, ring_write_sources
 from kvjax.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 
 
@@ -38,24 +39,16 @@ class SwaWindow:
 
     def slot_positions(self) -> jax.Array:
         """i32[B, W] absolute position held by each slot, -1 where empty."""
-        j = jnp.arange(self.window)[None, :]
-        last = self.seen[:, None] - 1
-        pos = last - jnp.mod(last - j, self.window)
-        return jnp.where(pos >= 0, pos, -1)
+        return ring_slot_positions(self.seen, self.window)
 
     def write(self, kv_new: jax.Array, n_valid: jax.Array) -> "SwaWindow":
         """Roll `n_valid[b]` of the `T` new rows `kv_new [B, T, D]` into the ring (only the last W survive).
 
         Each slot takes the newest incoming position congruent to it mod W: a gather, deterministic even when T > W.
         """
-        T, W = kv_new.shape[1], self.window
-        j = jnp.arange(W)[None, :]
-        end = self.seen + n_valid
-        newest = end[:, None] - 1 - jnp.mod(end[:, None] - 1 - j, W)
-        src = newest - self.seen[:, None]
-        take = (src >= 0) & (src < n_valid[:, None])
-        g = jnp.take_along_axis(kv_new.astype(self.kv.dtype), jnp.clip(src, 0, T - 1)[:, :, None], axis=1)
-        return dataclasses.replace(self, kv=jnp.where(take[:, :, None], g, self.kv), seen=end)
+        src, take = ring_write_sources(self.seen, n_valid, self.window, kv_new.shape[1])
+        g = jnp.take_along_axis(kv_new.astype(self.kv.dtype), src[:, :, None], axis=1)
+        return dataclasses.replace(self, kv=jnp.where(take[:, :, None], g, self.kv), seen=self.seen + n_valid)
 
 
 @jax.tree_util.register_dataclass

@@ -114,8 +114,6 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
         rest, cache = prefix_cache.forms.greedy_decode(model.params, cache, first, num_steps=max_new_tokens - 1)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)
-    if stop_at_eos and model.config.eos_token_ids:
-        hit = np.nonzero(np.isin(out, model.config.eos_token_ids))[0]
-        if hit.size:
-            out = out[: hit[0] + 1]
+    if stop_at_eos:
+        out = steps.truncate_at_eos(out, model.config.eos_token_ids)
     return (out, plan) if return_plan else out

@@ -63,6 +63,30 @@ def prefill(params, config: ModelConfig, cache: ModelCache, prompt: np.ndarray, 
     return logits[0], cache
 
 
+def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
+    """`num_steps` one-token greedy steps in one `lax.fori_loop` (call inside a jitted function).
+
+    Args:
+        forward: `(cache, tokens i32[B, 1], n_valid i32[B]) -> (logits f32[B, 1, V], cache)` for any model family.
+        first: i32[B] the token to feed first (already emitted, not yet in the cache).
+
+    Returns:
+        (i32[B, num_steps] the tokens produced after `first`, cache).
+    """
+    B = first.shape[0]
+    ones = jnp.ones((B,), jnp.int32)
+
+    def body(i, carry):
+        tok, cache, out = carry
+        logits, cache = forward(cache, tok[:, None], ones)
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return nxt, cache, out.at[:, i].set(nxt)
+
+    out = jnp.zeros((B, num_steps), jnp.int32)
+    _, cache, out = jax.lax.fori_loop(0, num_steps, body, (first.astype(jnp.int32), cache, out))
+    return out, cache
+
+
 @functools.partial(jax.jit, static_argnames="num_steps", donate_argnames="cache")
 def greedy_decode(params, config: ModelConfig, cache: ModelCache, first: jax.Array, *, num_steps: int):
     """Plain full-cache greedy decoding: `num_steps` one-token steps inside one `lax.fori_loop`.
@@ -73,15 +97,13 @@ def greedy_decode(params, config: ModelConfig, cache: ModelCache, first: jax.Arr
     Returns:
         (i32[B, num_steps] the tokens produced after `first`, cache).
     """
-    B = first.shape[0]
-    out = jnp.zeros((B, num_steps), jnp.int32)
-    ones = jnp.ones((B,), jnp.int32)
+    return greedy_loop(lambda c, t, n: llama.forward(params, config, c, t, n), cache, first, num_steps)
 
-    def body(i, carry):
-        tok, cache, out = carry
-        logits, cache = llama.forward(params, config, cache, tok[:, None], ones)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return nxt, cache, out.at[:, i].set(nxt)
 
-    _, cache, out = jax.lax.fori_loop(0, num_steps, body, (first.astype(jnp.int32), cache, out))
-    return out, cache
+def truncate_at_eos(tokens: np.ndarray, eos_token_ids) -> np.ndarray:
+    """Generated tokens up to and including the first end-of-sequence token (all of them when there is none)."""
+    if eos_token_ids:
+        hit = np.nonzero(np.isin(tokens, eos_token_ids))[0]
+        if hit.size:
+            return tokens[: hit[0] + 1]
+    return tokens

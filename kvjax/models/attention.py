@@ -95,17 +95,14 @@ def attend_blocked(
     last = jnp.max(jnp.where(occupied, jnp.arange(S), -1))
     n_blocks = (last + block) // block
     qg = jnp.transpose(q.reshape(B, T, K, G, D), (0, 2, 3, 1, 4))  # [B, K, G, T, D]
-    qp = q_pos[:, None, None, :, None]
 
     def body(i, carry):
         o, m, l = carry
         kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=2)
         vb = jax.lax.dynamic_slice_in_dim(v, i * block, block, axis=2)
-        pb = jax.lax.dynamic_slice_in_dim(k_pos, i * block, block, axis=2)[:, :, None, None, :]
+        pb = jax.lax.dynamic_slice_in_dim(k_pos, i * block, block, axis=2)
         s = jnp.einsum("BKGTD,BKSD->BKGTS", qg, kb, preferred_element_type=jnp.float32) * scale
-        mask = (pb >= 0) & (pb <= qp)
-        if window is not None:
-            mask &= pb > qp - window
+        mask = visible(q_pos, pb, window)[:, :, None]  # [B, K, 1, T, block]
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvjax.cache.forms import pick_capacity
 from kvjax.cache.hybrid_forms import HybridCache, init_cache
+from kvjax.decode.steps import greedy_loop, truncate_at_eos
 from kvjax.models import deepseek_v4
 from kvjax.models.deepseek_v4_config import DeepseekV4Config, config_from_hf
 from kvjax.models.deepseek_v4_weights import params_from_tensors
@@ -56,18 +57,7 @@ def greedy_decode(params, config: DeepseekV4Config, cache: HybridCache, first: j
 
     Returns (i32[B, num_steps] tokens produced after `first`, cache).
     """
-    B = first.shape[0]
-    ones = jnp.ones((B,), jnp.int32)
-
-    def body(i, carry):
-        tok, cache, out = carry
-        logits, cache = deepseek_v4.forward(params, config, cache, tok[:, None], ones)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return nxt, cache, out.at[:, i].set(nxt)
-
-    out = jnp.zeros((B, num_steps), jnp.int32)
-    _, cache, out = jax.lax.fori_loop(0, num_steps, body, (first.astype(jnp.int32), cache, out))
-    return out, cache
+    return greedy_loop(lambda c, t, n: deepseek_v4.forward(params, config, c, t, n), cache, first, num_steps)
 
 
 def _dtype(model):
@@ -115,8 +105,6 @@ def generate(model, ids, max_new_tokens: int = 32, *, stop_at_eos: bool = True) 
                                     num_steps=max_new_tokens - 1)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)
-    if stop_at_eos and model.config.eos_token_ids:
-        hit = np.nonzero(np.isin(out, model.config.eos_token_ids))[0]
-        if hit.size:
-            out = out[: hit[0] + 1]
+    if stop_at_eos:
+        out = truncate_at_eos(out, model.config.eos_token_ids)
     return out

@@ -29,6 +29,7 @@ import numpy as np
 from kvjax.cache.forms import pick_capacity
 from kvjax.cache.hybrid_forms import CompressedKV, HybridCache, init_cache
 from kvjax.models import deepseek_v4
+from kvjax.decode.steps import greedy_loop
 from kvjax.models.deepseek_v4_api import prefill
 
 
@@ -92,16 +93,7 @@ def draft_bytes(full: HybridCache, spec: DraftSpec, itemsize: int = 2) -> tuple[
 @functools.partial(jax.jit, static_argnames="x")
 def draft_tokens(params, config, draft: HybridCache, first: jax.Array, *, x: int) -> jax.Array:
     """x greedy tokens from the draft copy (one-token steps in a fori_loop), feeding `first` i32[B] first."""
-    B = first.shape[0]
-    ones = jnp.ones((B,), jnp.int32)
-
-    def body(i, carry):
-        tok, cache, out = carry
-        logits, cache = deepseek_v4.forward(params, config, cache, tok[:, None], ones)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return nxt, cache, out.at[:, i].set(nxt)
-
-    _, _, out = jax.lax.fori_loop(0, x, body, (first, draft, jnp.zeros((B, x), jnp.int32)))
+    out, _ = greedy_loop(lambda c, t, n: deepseek_v4.forward(params, config, c, t, n), draft, first, x)
     return out
 
 
