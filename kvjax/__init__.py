@@ -4,7 +4,8 @@ Public API: `load(path)`, `logits(model, token_ids)`, `generate(model, prompt_id
 """
 
 from kvjax.api import Model, generate, load, logits
-from kvjax.config import ModelConfig, UnsupportedConfigError, config_from_hf, load_config
+from kvjax.models.llama.config import ModelConfig, config_from_hf, load_config
+from kvjax.errors import UnsupportedConfigError
 
 __all__ = ["Model", "ModelConfig", "UnsupportedConfigError", "config_from_hf", "generate", "load", "load_config",
            "logits"]

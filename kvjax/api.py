@@ -10,10 +10,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import init_cache, pick_capacity
-from kvjax.config import ModelConfig, config_from_hf
+from kvjax.models.llama.cache import init_cache
+from kvjax.cache.capacity import pick_capacity
+from kvjax.models.llama.config import ModelConfig, config_from_hf
 from kvjax.decode import steps
-from kvjax.weights import params_from_tensors, read_safetensors
+from kvjax.models.llama.weights import params_from_tensors
+from kvjax.checkpoint import read_safetensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ def load(path: str | os.PathLike, *, dtype: str = "f32") -> Model:
     with open(cfg_path) as f:
         hf = json.load(f)
     if hf.get("model_type") == "deepseek_v4":
-        from kvjax.models import deepseek_v4_api  # noqa: PLC0415 - optional family, imported on demand
+        from kvjax.models.deepseek_v4 import (api_old as deepseek_v4_api)  # noqa: PLC0415 - optional family, imported on demand
 
         return deepseek_v4_api.load(path, hf, dtype=dtype)
     config = config_from_hf(hf)

@@ -172,7 +172,7 @@ def cache_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
 def shard_cache(cache, mesh: Mesh):
     """Place any kvjax cache pytree (ModelCache, draft caches) on `mesh`: batch on "dp", kv heads on "tp".
 
-    Every array leaf is `[B, ...]`; leaves of rank >= 3 are `[B, K, ...]` (DenseKV/SwaWindow k, v `[B, K, S, D]`,
+    Every array leaf is `[B, ...]`; leaves of rank >= 3 are `[B, K, ...]` (DenseKV/WindowKV k, v `[B, K, S, D]`,
     per-head positions `[B, K, S]`).
     """
     return jax.tree.map(lambda x: place(x, NamedSharding(mesh, cache_spec(x.shape, mesh))), cache)
@@ -182,6 +182,6 @@ def init_sharded_cache(config, batch: int, capacity: int, mesh: Mesh, dtype=None
     """`forms.init_cache` placed on `mesh` (see `shard_cache`)."""
     import jax.numpy as jnp
 
-    from kvjax.cache.forms import init_cache
+    from kvjax.models.llama.cache import init_cache
 
     return shard_cache(init_cache(config, batch, capacity, dtype or jnp.float32), mesh)

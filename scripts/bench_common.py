@@ -17,7 +17,9 @@ def random_model_like(checkpoint: str):
     Random weights accept every draft; use it only to isolate mechanism costs from model quality, and say so.
     """
     from kvjax import api
-    from kvjax.config import FULL, ModelConfig, RopeConfig
+    from kvjax.models.layer_types import FULL
+    from kvjax.models.llama.config import ModelConfig
+    from kvjax.models.rope import RopeConfig
     from kvjax.models import llama
 
     tok = None

@@ -27,13 +27,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow, pick_capacity
-from kvjax.cache.identity import make_namespace
-from kvjax.cache.layout import forms_for
-from kvjax.cache.manager import PrefixCache
-from kvjax.cache.prefill import kv_dtype, model_namespace, prefill_with_prefix_cache
+from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
+from kvjax.cache.capacity import pick_capacity
+from kvjax.prefix.identity import make_namespace
+from kvjax.prefix.layouts.llama import forms_for
+from kvjax.prefix.manager import PrefixCache
+from kvjax.prefix.prefill import kv_dtype, model_namespace, prefill_with_prefix_cache
 from kvjax.cache.toy_model import toy_config, toy_model
-from kvjax.config import FULL, SLIDING
+from kvjax.models.layer_types import FULL, SLIDING
 
 
 def synthetic_cache(cfg, n, cap):
@@ -42,7 +43,7 @@ def synthetic_cache(cfg, n, cap):
     layers = []
     for t in cfg.layer_types:
         if t == SLIDING:
-            layers.append(SwaWindow(k=jnp.ones((1, K, W, D)), v=jnp.ones((1, K, W, D)), seen=length, window=W))
+            layers.append(WindowKV(k=jnp.ones((1, K, W, D)), v=jnp.ones((1, K, W, D)), seen=length, window=W))
         else:
             layers.append(DenseKV(k=jnp.ones((1, K, cap, D)), v=jnp.ones((1, K, cap, D)), length=length))
     return ModelCache(layers=tuple(layers), length=length)

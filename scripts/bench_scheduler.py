@@ -33,11 +33,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvjax import offload as offl  # noqa: E402
-from kvjax.cache.forms import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
-from kvjax.decode import draft_steps  # noqa: E402
-from kvjax.decode import scheduler as sch  # noqa: E402
-from kvjax.decode.scheduler_full import FullCacheScheduler  # noqa: E402
+from kvjax.decode import offload as offl  # noqa: E402
+from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
+from kvjax.decode import rounds as draft_steps  # noqa: E402
+from kvjax.serve import vericache_scheduler as sch  # noqa: E402
+from kvjax.serve.full_scheduler import FullCacheScheduler  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvjax.compress import make_compressor  # noqa: E402
-from kvjax.decode import draft_steps, steps  # noqa: E402
+from kvjax.decode import rounds as draft_steps, steps  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
 

@@ -28,7 +28,9 @@ import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvjax.config import ModelConfig, RopeConfig, FULL  # noqa: E402
+from kvjax.models.llama.config import ModelConfig  # noqa: E402
+from kvjax.models.rope import RopeConfig
+from kvjax.models.layer_types import FULL
 from kvjax.tokenizer import Tokenizer  # noqa: E402
 from kvjax.data import corpus  # noqa: E402
 
@@ -73,7 +75,8 @@ def make_step(family, cfg, opt):
 
 def eval_ppl(family, cfg, params, stream: np.ndarray, ctx: int, windows: int, chunk: int = 512) -> float:
     """Perplexity of the last `chunk` tokens of `windows` windows of `ctx` tokens (full context before them)."""
-    from kvjax.cache.forms import init_cache, pick_capacity
+    from kvjax.models.llama.cache import init_cache
+    from kvjax.cache.capacity import pick_capacity
     from kvjax.decode import steps
 
     rng = np.random.RandomState(1234)
@@ -170,12 +173,13 @@ def main(argv=None):
     from safetensors.numpy import save_file
 
     if args.family == "llama":
-        from kvjax.weights import hf_config_dict, params_to_tensors, save_orbax
+        from kvjax.models.llama.weights import hf_config_dict, params_to_tensors
+        from kvjax.checkpoint import save_orbax
 
         hf = hf_config_dict(ship_cfg, torch_dtype="bfloat16")
         tensors = params_to_tensors(ship_cfg, shipped, dtype="bf16")
     else:
-        from kvjax.weights import save_orbax
+        from kvjax.checkpoint import save_orbax
 
         hf = family.hf_config_dict(cfg)
         tensors = family.params_to_tensors(cfg, shipped, dtype="bf16")

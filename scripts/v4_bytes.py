@@ -1,6 +1,6 @@
 """Bytes per cache form of a DeepSeek-V4 request: per token (the slope) and per request (at given context lengths).
 
-The numbers are read off the forms kvjax actually allocates (`kvjax.cache.hybrid_forms.init_cache` under
+The numbers are read off the forms kvjax actually allocates (`kvjax.models.deepseek_v4.cache.init_cache` under
 `jax.eval_shape`, so nothing is allocated even for a 1M-token V4-Flash request):
 
 - compressed KV: one `head_dim` entry per `m` (CSA) or `m'` (HCA) tokens per layer — grows with the context;
@@ -32,8 +32,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvjax.cache.hybrid_forms import init_cache  # noqa: E402
-from kvjax.models.deepseek_v4_config import CSA, HCA, SLIDING, config_from_hf  # noqa: E402
+from kvjax.models.deepseek_v4.cache import init_cache  # noqa: E402
+from kvjax.models.layer_types import CSA, HCA, SLIDING  # noqa: E402
+from kvjax.models.deepseek_v4.config import config_from_hf
 
 FORMS = ("compressed_kv", "indexer", "tail", "swa_window")
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from kvjax.cache.forms import DenseKV, SwaWindow
+from kvjax.cache.dense import DenseKV, WindowKV
 
 
 def _kv(B, T, K=2, D=4, base=0):
@@ -16,7 +16,7 @@ def _kv(B, T, K=2, D=4, base=0):
 @given(W=st.integers(1, 9), chunks=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=1,
                                             max_size=6))
 def test_ring_holds_exactly_the_last_window(W, chunks):
-    ring = SwaWindow(k=jnp.zeros((1, 2, W, 4)), v=jnp.zeros((1, 2, W, 4)), seen=jnp.zeros((1,), jnp.int32), window=W)
+    ring = WindowKV(k=jnp.zeros((1, 2, W, 4)), v=jnp.zeros((1, 2, W, 4)), seen=jnp.zeros((1,), jnp.int32), window=W)
     written = []
     for T, n in chunks:
         n = min(n, T)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.weights import restore_orbax
+from kvjax.checkpoint import restore_orbax
 
 CKPT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kvjax-code-tiny")
 

@@ -101,10 +101,10 @@ def test_bench_list_and_passthrough(capsys):
 
 def _make_store(path):
     """A store written through the prefix cache's own tier code: one namespace, 3 blocks of 2 forms."""
-    from kvjax.cache.identity import block_keys, make_namespace
-    from kvjax.cache.layout import PATH, FormSpec
-    from kvjax.cache.tiers import StoreTier
-    from kvjax.config import config_from_hf
+    from kvjax.prefix.identity import block_keys, make_namespace
+    from kvjax.prefix.layouts.llama import PATH, FormSpec
+    from kvjax.prefix.tiers import StoreTier
+    from kvjax.models.llama.config import config_from_hf
 
     cfg = config_from_hf(dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from kvjax import load
-from kvjax.cache.draft_forms import QuantizedKV, RecentKV, pack_codes, unpack_codes
-from kvjax.cache.forms import init_cache
+from kvjax.cache.draft import QuantizedKV, RecentKV, pack_codes, unpack_codes
+from kvjax.models.llama.cache import init_cache
 from kvjax.compress import StreamingLLM, make_compressor
 from kvjax.compress.base import sinks_and_recent, topk_positions
 from kvjax.compress.snapkv import avg_pool
 from kvjax.decode import steps
-from kvjax.decode.draft_model import draft_forward
+from kvjax.models.llama.draft import draft_forward
 
 
 @pytest.mark.parametrize("bits", [2, 4])

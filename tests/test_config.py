@@ -5,7 +5,10 @@ import pytest
 import torch
 import transformers
 
-from kvjax.config import FULL, SLIDING, UnsupportedConfigError, config_from_hf, rope_inv_freq
+from kvjax.models.layer_types import FULL, SLIDING
+from kvjax.errors import UnsupportedConfigError
+from kvjax.models.llama.config import config_from_hf
+from kvjax.models.rope import rope_inv_freq
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)

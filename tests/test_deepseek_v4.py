@@ -14,13 +14,15 @@ import pytest
 from test_deepseek_v4_models import hf_logits, make_v4
 
 import kvjax
-from kvjax.cache.hybrid_forms import init_cache
-from kvjax.config import UnsupportedConfigError
-from kvjax.models import deepseek_v4, deepseek_v4_api
-from kvjax.models.deepseek_v4_config import CSA, HCA, config_from_hf, hf_config_dict
-from kvjax.models.deepseek_v4_weights import (init_params, merge_params, params_from_tensors, params_to_tensors,
-                                              partition_params)
-from kvjax.weights import read_safetensors
+from kvjax.models.deepseek_v4.cache import init_cache
+from kvjax.errors import UnsupportedConfigError
+from kvjax.models import deepseek_v4
+from kvjax.models.deepseek_v4 import api_old as deepseek_v4_api
+from kvjax.models.layer_types import CSA, HCA
+from kvjax.models.deepseek_v4.config import config_from_hf, hf_config_dict
+from kvjax.models.deepseek_v4.weights import (init_params, merge_params, params_from_tensors, params_to_tensors,
+    partition_params)
+from kvjax.checkpoint import read_safetensors
 
 PAD = 48
 

@@ -13,9 +13,10 @@ import pytest
 from test_deepseek_v4_models import make_v4
 
 import kvjax
-from kvjax.cache.hybrid_forms import CompressedKV, SwaWindow, Tail, init_cache
+from kvjax.cache.hybrid import CompressedKV, SharedKVWindow, Tail
+from kvjax.models.deepseek_v4.cache import init_cache
 from kvjax.models import deepseek_v4
-from kvjax.models.deepseek_v4_api import forward_step
+from kvjax.models.deepseek_v4.api_old import forward_step
 
 TOL = 1e-5
 SEQ = 45  # m = 4, m' = 8, W = 8: crosses every boundary several times
@@ -123,7 +124,7 @@ def test_indexer_ties_break_to_lowest_index(model):
     q_res = jax.random.normal(jax.random.PRNGKey(1), (1, T, cfg.q_lora_rank))
     state = init_cache(cfg, 1, 32).layers[1].indexer
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    indexer = jax.jit(deepseek_v4._indexer, static_argnums=1)
+    indexer = jax.jit(deepseek_v4.model._indexer, static_argnums=1)
     _, idx, ok = indexer(tied.params["layers"][1]["attn"]["indexer"], cfg, state, h, q_res, pos,
                          jnp.asarray([T], jnp.int32))
     ready = (np.arange(T) + 1) // cfg.csa_rate
@@ -139,7 +140,7 @@ def test_indexer_ties_break_to_lowest_index(model):
 
 def test_swa_window_ring_keeps_last_w():
     W = 4
-    win = SwaWindow(kv=jnp.zeros((1, W, 1)), seen=jnp.zeros((1,), jnp.int32), window=W)
+    win = SharedKVWindow(kv=jnp.zeros((1, W, 1)), seen=jnp.zeros((1,), jnp.int32), window=W)
     for n in (3, 6, 1):  # a chunk longer than the ring keeps only its newest W rows
         start = int(win.seen[0])
         new = jnp.arange(start, start + 8, dtype=jnp.float32)[None, :, None]

@@ -8,7 +8,7 @@ import pytest
 from test_deepseek_v4_models import make_v4
 
 import kvjax
-from kvjax.models.deepseek_v4_vericache import DraftSpec, generate_vericache
+from kvjax.models.deepseek_v4.draft import DraftSpec, generate_vericache
 
 PROMPT, NEW = 30, 20  # 30 tokens: 7 CSA entries and 3 HCA entries per layer before decoding starts
 

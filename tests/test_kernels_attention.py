@@ -245,16 +245,16 @@ def test_attend_reference_is_kvjax_attend():
 
 
 def test_ring_positions_match_swa_window():
-    from kvjax.cache.forms import SwaWindow
+    from kvjax.cache.dense import WindowKV
 
     seen = jnp.asarray([0, 5, 16, 37], jnp.int32)
-    ring = SwaWindow(k=jnp.zeros((4, 1, 16, 2)), v=jnp.zeros((4, 1, 16, 2)), seen=seen, window=16)
+    ring = WindowKV(k=jnp.zeros((4, 1, 16, 2)), v=jnp.zeros((4, 1, 16, 2)), seen=seen, window=16)
     np.testing.assert_array_equal(np.asarray(ref.ring_positions(seen, 16)), np.asarray(ring.slot_positions()))
 
 
 def test_quant_format_matches_draft_cache():
     """The kernel's reading of the format equals the VeriCache engineer's QuantizedKV (same spec, two writers)."""
-    from kvjax.cache.draft_forms import QuantizedKV
+    from kvjax.cache.draft import QuantizedKV
 
     rng = np.random.default_rng(71)
     k, v = rand(rng, (1, 2, 64, 16)), rand(rng, (1, 2, 64, 16))

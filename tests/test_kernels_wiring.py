@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache.forms import init_cache
+from kvjax.models.llama.cache import init_cache
 from kvjax.models import llama
 from kvjax.models.attention import attend, default_attention
-from kvjax.models.attention_dispatch import attention, attention_parts, make_attention_fn
+from kvjax.models.attention import attention, attention_parts, make_attention_fn
 from tests.hf_models import make_hf_model
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")

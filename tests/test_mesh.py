@@ -34,7 +34,7 @@ def _mesh_report(model_dir: str) -> dict:
 
     import kvjax
     from kvjax import sharding as shd
-    from kvjax.cache.forms import init_cache
+    from kvjax.models.llama.cache import init_cache
     from kvjax.decode import steps, vericache
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -187,7 +187,7 @@ def test_mesh_rules_fail_loudly():
     import jax
 
     from kvjax import sharding as shd
-    from kvjax.config import config_from_hf
+    from kvjax.models.llama.config import config_from_hf
 
     cfg = config_from_hf(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -6,7 +6,7 @@ import torch
 
 import kvjax
 from hf_models import FAMILIES
-from kvjax.cache.forms import init_cache
+from kvjax.models.llama.cache import init_cache
 from kvjax.decode import steps
 import jax.numpy as jnp
 

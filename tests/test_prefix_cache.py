@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 
 from kvjax.api import generate
-from kvjax.cache import layout, tiers
-from kvjax.cache.forms import init_cache
-from kvjax.cache.layout import forms_for
-from kvjax.cache.manager import PrefixCache, StaleLease
-from kvjax.cache.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
+from kvjax.prefix.layouts import llama as layout
+from kvjax.prefix import tiers
+from kvjax.models.llama.cache import init_cache
+from kvjax.prefix.layouts.llama import forms_for
+from kvjax.prefix.manager import PrefixCache
+from kvjax.errors import StaleLease
+from kvjax.prefix.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
 from kvjax.cache.toy_model import toy_config, toy_model
-from kvjax.config import FULL, SLIDING
+from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.decode import steps
 
 P, CHUNK, CAP = 16, 32, 256

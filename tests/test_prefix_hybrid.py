@@ -8,11 +8,12 @@ import pytest
 from test_deepseek_v4_models import make_v4
 
 import kvjax
-from kvjax.cache import hybrid_layout, tiers
-from kvjax.cache.identity import make_namespace
-from kvjax.cache.layout import forms_for
-from kvjax.cache.manager import PrefixCache
-from kvjax.cache.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
+from kvjax.prefix.layouts import deepseek_v4 as hybrid_layout
+from kvjax.prefix import tiers
+from kvjax.prefix.identity import make_namespace
+from kvjax.prefix.layouts.llama import forms_for
+from kvjax.prefix.manager import PrefixCache
+from kvjax.prefix.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
 
 P, CHUNK = 8, 16  # m = 4, m' = 8: P = lcm
 

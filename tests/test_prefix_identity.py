@@ -6,12 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.cache.identity import ROOT_KEY, block_key, block_keys, make_namespace, weights_fingerprint
-from kvjax.cache.layout import check_block_size, forms_for
-from kvjax.cache.manager import PrefixCache
-from kvjax.cache.prefill import model_namespace, prefill_with_prefix_cache
+from kvjax.prefix.identity import ROOT_KEY, block_key, block_keys, make_namespace, weights_fingerprint
+from kvjax.prefix.layouts.llama import check_block_size, forms_for
+from kvjax.prefix.manager import PrefixCache
+from kvjax.prefix.prefill import model_namespace, prefill_with_prefix_cache
 from kvjax.cache.toy_model import toy_config, toy_model
-from kvjax.config import FULL, SLIDING, RopeConfig
+from kvjax.models.layer_types import FULL, SLIDING
+from kvjax.models.rope import RopeConfig
 
 P = 16
 

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.cache.identity import make_namespace
-from kvjax.cache.layout import forms_for
-from kvjax.cache.manager import PrefixCache
+from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
+from kvjax.prefix.identity import make_namespace
+from kvjax.prefix.layouts.llama import forms_for
+from kvjax.prefix.manager import PrefixCache
 from kvjax.cache.toy_model import toy_config
-from kvjax.config import FULL, SLIDING
+from kvjax.models.layer_types import FULL, SLIDING
 
 P, W, CAP = 4, 4, 32
 CFG = toy_config((FULL, SLIDING), window=W, kv_heads=1, heads=1, head_dim=2, hidden=8)
@@ -49,7 +49,7 @@ def fake_cache(tokens, n):
     k = jnp.asarray(np.broadcast_to(vals[None, None, :, None], (1, 1, CAP, 2)))
     rk = jnp.asarray(np.broadcast_to(ring[None, None, :, None], (1, 1, W, 2)))
     length = jnp.asarray([n], jnp.int32)
-    return ModelCache(layers=(DenseKV(k=k, v=-k, length=length), SwaWindow(k=rk, v=-rk, seen=length, window=W)),
+    return ModelCache(layers=(DenseKV(k=k, v=-k, length=length), WindowKV(k=rk, v=-rk, seen=length, window=W)),
                       length=length)
 
 
@@ -61,7 +61,7 @@ def empty_cache():
         return jnp.zeros((1,), jnp.int32)
 
     return ModelCache(layers=(DenseKV(k=z(1, 1, CAP, 2), v=z(1, 1, CAP, 2), length=n()),
-                              SwaWindow(k=z(1, 1, W, 2), v=z(1, 1, W, 2), seen=n(), window=W)), length=n())
+                              WindowKV(k=z(1, 1, W, 2), v=z(1, 1, W, 2), seen=n(), window=W)), length=n())
 
 
 def insert(pc, tokens):

@@ -6,13 +6,13 @@ import os
 import numpy as np
 import pytest
 
-from kvjax.cache.forms import init_cache
-from kvjax.cache.layout import forms_for
-from kvjax.cache.manager import PrefixCache
-from kvjax.cache.prefill import model_namespace, prefill_with_prefix_cache
-from kvjax.cache.tiers import admission_caps
+from kvjax.models.llama.cache import init_cache
+from kvjax.prefix.layouts.llama import forms_for
+from kvjax.prefix.manager import PrefixCache
+from kvjax.prefix.prefill import model_namespace, prefill_with_prefix_cache
+from kvjax.prefix.tiers import admission_caps
 from kvjax.cache.toy_model import toy_config, toy_model
-from kvjax.config import FULL, SLIDING
+from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.decode import steps
 
 P, CHUNK, CAP = 16, 32, 256

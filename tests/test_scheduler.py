@@ -9,14 +9,14 @@ import pytest
 
 from conftest import compile_count
 from kvjax import load
-from kvjax.cache.draft_forms import DraftCache
+from kvjax.cache.draft import DraftCache
 from kvjax.compress import make_compressor
-from kvjax.decode import draft_steps
-from kvjax.decode import scheduler as sch
-from kvjax.decode import scheduler_steps as ss
+from kvjax.decode import rounds as draft_steps
+from kvjax.serve import vericache_scheduler as sch
+from kvjax.serve import batch_steps as ss
 from kvjax.decode import vericache as vc
-from kvjax.decode.scheduler_full import FullCacheScheduler
-from kvjax.decode.scheduler_memory import BudgetError
+from kvjax.serve.full_scheduler import FullCacheScheduler
+from kvjax.errors import BudgetError
 
 X = 4
 

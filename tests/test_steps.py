@@ -6,7 +6,9 @@ import pytest
 
 import kvjax
 from conftest import compile_count
-from kvjax.cache.forms import CapacityError, init_cache, pick_capacity
+from kvjax.errors import CapacityError
+from kvjax.models.llama.cache import init_cache
+from kvjax.cache.capacity import pick_capacity
 from kvjax.decode import steps
 
 

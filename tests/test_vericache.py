@@ -10,8 +10,8 @@ import pytest
 
 from conftest import compile_count
 from kvjax import load
-from kvjax.cache.forms import init_cache
-from kvjax.decode import draft_steps, steps
+from kvjax.models.llama.cache import init_cache
+from kvjax.decode import rounds as draft_steps, steps
 from kvjax.decode import vericache as vc
 
 SMALL = {"streaming": {}, "snapkv": {"obs_window": 8}, "kvzip": {"chunk": 32, "recent": 8},

@@ -10,7 +10,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kvjax
-from kvjax.weights import WeightsError, hf_config_dict, params_to_tensors, restore_orbax, save_orbax
+from kvjax.errors import WeightsError
+from kvjax.models.llama.weights import hf_config_dict, params_to_tensors
+from kvjax.checkpoint import restore_orbax, save_orbax
 
 
 def _copy_with(path, dst, edit):

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.api import Model
-from kvjax.config import FULL, SLIDING, ModelConfig, RopeConfig
+from kvjax.models.layer_types import FULL, SLIDING
+from kvjax.models.llama.config import ModelConfig
+from kvjax.models.rope import RopeConfig
 
 
 def toy_config(layer_types=(FULL, SLIDING, FULL), *, window: int | None = 16, vocab: int = 97, hidden: int = 64,

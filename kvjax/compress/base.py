@@ -17,9 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.draft_forms import DraftCache, DraftLayer, RecentKV, SparseKV
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.config import ModelConfig
+from kvjax.cache.draft import DraftCache, DraftLayer, RecentKV, SparseKV
+from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
+from kvjax.models.llama.config import ModelConfig
 
 
 def round_up(n: int, m: int) -> int:
@@ -106,7 +106,7 @@ class Compressor:
         layers = []
         for i, form in enumerate(full.layers):
             K, D = form.k.shape[1], form.k.shape[3]
-            if isinstance(form, SwaWindow):
+            if isinstance(form, WindowKV):
                 # copies: the draft cache is donated to the draft step, the full cache must survive it
                 parts = (SparseKV(k=jnp.array(form.k, copy=True), v=jnp.array(form.v, copy=True),
                                   pos=form.slot_positions()),)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache.draft_forms import QuantizedKV, SparseKV
+from kvjax.cache.draft import QuantizedKV, SparseKV
 from kvjax.compress.base import Compressor, gather_tokens, protected_mask, round_up, sinks_and_recent, topk_positions
 from kvjax.compress.kvzip import kvzip_scores
 from kvjax.compress.snapkv import SnapKV

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.cache.draft_forms import QuantizedKV, SparseKV
+from kvjax.cache.draft import QuantizedKV, SparseKV
 from kvjax.compress.base import Compressor, gather_tokens, round_up, sinks_and_recent
 
 

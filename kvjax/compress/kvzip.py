@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.draft_forms import SparseKV
+from kvjax.cache.draft import SparseKV
 from kvjax.compress.base import Compressor, gather_tokens
 from kvjax.compress.scoring import attention_received
 from kvjax.compress.snapkv import group_reduce, select_protected

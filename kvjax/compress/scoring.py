@@ -14,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.forms import ModelCache, SwaWindow
-from kvjax.config import ModelConfig
+from kvjax.cache.dense import ModelCache, WindowKV
+from kvjax.models.llama.config import ModelConfig
 from kvjax.models.attention import MASK_VALUE, visible
-from kvjax.models.common import gated_mlp, rms_norm
+from kvjax.models.layers import gated_mlp, rms_norm
 from kvjax.models.llama import project_qkv
 
 
@@ -56,7 +56,7 @@ def attention_received(params, config: ModelConfig, cache: ModelCache, tokens: j
     for layer, form in zip(params["layers"], cache.layers):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = project_qkv(config, layer, h, qpos)
-        if isinstance(form, SwaWindow):
+        if isinstance(form, WindowKV):
             pos_c, window = form.slot_positions(), form.window
         else:
             pos_c, window = form.key_positions(), None
@@ -66,7 +66,7 @@ def attention_received(params, config: ModelConfig, cache: ModelCache, tokens: j
         x = x + out.reshape(B, T, -1) @ layer["wo"]
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
         x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
-        if isinstance(form, SwaWindow):
+        if isinstance(form, WindowKV):
             scores.append(None)
             continue
         valid = (positions >= 0)[:, None, :, None]

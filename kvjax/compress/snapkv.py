@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.cache.draft_forms import SparseKV
+from kvjax.cache.draft import SparseKV
 from kvjax.compress.base import Compressor, gather_tokens, protected_mask, topk_positions
 from kvjax.compress.scoring import attention_received
 

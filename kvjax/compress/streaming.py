@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache.draft_forms import SparseKV
+from kvjax.cache.draft import SparseKV
 from kvjax.compress.base import Compressor, gather_tokens, sinks_and_recent
 
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import ModelCache
-from kvjax.config import ModelConfig
+from kvjax.cache.dense import ModelCache
+from kvjax.models.llama.config import ModelConfig
 from kvjax.models import llama
 
 DEFAULT_CHUNK = 256

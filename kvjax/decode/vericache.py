@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import offload as offl
-from kvjax.cache.forms import CAPACITY_BUCKETS, DenseKV, SwaWindow, init_cache, pick_capacity
+from kvjax.decode import offload as offl
+from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
+from kvjax.cache.dense import DenseKV, WindowKV
+from kvjax.models.llama.cache import init_cache
 from kvjax.compress import Compressor, make_compressor
-from kvjax.decode import draft_steps, sampling, steps
-from kvjax.metrics import RunMetrics
+from kvjax.decode import rounds as draft_steps, sampling, steps
+from kvjax.decode.metrics import RunMetrics
 
 
 def capacity_for(prompt_len: int, max_new_tokens: int, max_draft: int) -> int:
@@ -72,7 +74,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor: st
         progress: optional callback(tokens_emitted).
 
     Returns:
-        (tokens i32[max_new_tokens], stats dict — see `kvjax.metrics.RunMetrics.summary`).
+        (tokens i32[max_new_tokens], stats dict — see `kvjax.decode.metrics.RunMetrics.summary`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -130,10 +132,10 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     full_row_bytes = sum(2 * l.k.shape[1] * l.k.shape[3] * l.k.dtype.itemsize for l in full.layers)
 
     if offload:
-        host_kv = tuple(None if isinstance(l, SwaWindow) else (l.k, l.v) for l in full.layers)
+        host_kv = tuple(None if isinstance(l, WindowKV) else (l.k, l.v) for l in full.layers)
         host_kv = offl.to_host(host_kv)
         tail_cap = pick_capacity(max_new_tokens + xmax + 2, CAPACITY_BUCKETS)
-        tail = tuple(l if isinstance(l, SwaWindow) else
+        tail = tuple(l if isinstance(l, WindowKV) else
                      DenseKV(k=jnp.zeros(l.k.shape[:2] + (tail_cap,) + l.k.shape[3:], l.k.dtype),
                              v=jnp.zeros(l.v.shape[:2] + (tail_cap,) + l.v.shape[3:], l.v.dtype),
                              length=jnp.zeros((1,), jnp.int32)) for l in full.layers)

@@ -1,29 +1,32 @@
-"""Position-masked attention over any cache form: the pure-jnp definition every kernel must match.
+"""The one attention entry of every model: the position-masked jnp definition and the kernel dispatcher.
 
 Queries carry their absolute positions, keys carry theirs (-1 = empty slot), so one function serves dense caches,
 ring buffers, sparse draft caches and verification blocks: key `s` is visible to a query at position `t` iff
 `0 <= pos[s] <= t` (and `pos[s] > t - W` for sliding layers). Softmax is f32 with a finite mask value, so a fully
-masked row (padding) yields zeros, never NaN.
+masked row (padding) yields zeros, never NaN. The mask rule and the mask value are `pallas_kernels.reference`'s (the
+definition every kernel must match); `attention(..., implementation=)` picks the implementation: "xla" is
+`default_attention` (exactly `attend` for caches under 4096 slots, its blocked online-softmax form, which reads only
+occupied blocks, for larger ones); "pallas", "pallas_interpret" and "pallas_debug" run kernel 0 of `pallas_kernels`;
+None picks "pallas" on a GPU backend and "xla" elsewhere. Models call `attention` (or a bound `make_attention_fn`)
+and never pick a kernel.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+import pallas_kernels
+from pallas_kernels.online_softmax import MASK_VALUE, M_INIT
+from pallas_kernels.reference import position_visible
 
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
     """bool[B, K|1, T, S] mask. q_pos: i32[B, T]; k_pos: i32[B, S] or i32[B, K, S]."""
-    if k_pos.ndim == 2:
-        k_pos = k_pos[:, None, :]
-    q = q_pos[:, None, :, None]
-    k = k_pos[:, :, None, :]
-    ok = (k >= 0) & (k <= q)
-    if window is not None:
-        ok &= k > q - window
-    return ok
+    return position_visible(q_pos, k_pos, window)
 
 
 def attend(
@@ -112,7 +115,7 @@ def attend_blocked(
         return o, m_new, l
 
     o0 = jnp.zeros((B, K, G, T, D), jnp.float32)
-    m0 = jnp.full((B, K, G, T, 1), jnp.finfo(jnp.float32).min, jnp.float32)
+    m0 = jnp.full((B, K, G, T, 1), M_INIT, jnp.float32)
     l0 = jnp.zeros((B, K, G, T, 1), jnp.float32)
     o, _, l = jax.lax.fori_loop(0, n_blocks, body, (o0, m0, l0))
     o = o / jnp.maximum(l, 1e-30)
@@ -129,3 +132,54 @@ def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
     if S >= BLOCKED_MIN_SLOTS and S % BLOCK == 0:
         return attend_blocked(q, k, v, q_pos, k_pos, window=window, scale=scale, block=BLOCK)
     return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+              window: int | None = None, scale: float | None = None, implementation: str | None = None) -> jax.Array:
+    """Position-masked GQA attention with a choice of implementation.
+
+    Args:
+        q: [B, T, N, D] queries; k, v: [B, K, S, D]; q_pos: i32[B, T]; k_pos: i32[B, S] or i32[B, K, S] (-1 empty).
+        window: sliding window W or None; scale: default D ** -0.5.
+        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
+
+    Returns:
+        [B, T, N, D] in q's dtype.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return default_attention(q, k, v, q_pos, k_pos, window=window, scale=scale)
+    return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
+
+
+def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None = None, scale: float | None = None,
+                    implementation: str | None = None) -> jax.Array:
+    """Attention over a cache held in several parts (e.g. a draft cache's compressed prompt + its recent ring, or a
+    quantized bulk + full-precision recent tokens) as if they were one, without concatenating them.
+
+    Each part yields an un-normalised `(o, m, l)` (kernel 0 with `return_stats=True`); `pallas_kernels.combine`
+    merges them and `finalize` normalises: the same arithmetic as split-K.
+
+    Args:
+        q: [B, T, N, D]; parts: sequence of (k [B, K, S_i, D], v [B, K, S_i, D], pos i32[B, S_i] or [B, K, S_i]);
+        q_pos: i32[B, T]; window, scale, implementation: as `attention`.
+
+    Returns:
+        [B, T, N, D] in q's dtype.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    stats = [pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
+                                   return_stats=True) for k, v, pos in parts]
+    o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
+    return pallas_kernels.finalize(o, m, l).astype(q.dtype)
+
+
+def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Array]:
+    """A callable with `attend`'s signature bound to one implementation (for `llama.forward(attention_fn=...)`).
+
+    The name is resolved now, so a typo fails here rather than inside a traced step.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return default_attention
+    return functools.partial(attention, implementation=impl)

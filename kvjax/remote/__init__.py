@@ -2,6 +2,7 @@
 fetches the small draft cache first, drafts while the full cache streams in, and verifies every emitted token."""
 
 from kvjax.remote.link import Link
-from kvjax.remote.store_client import CorruptEntry, RemoteStore
+from kvjax.errors import CorruptEntry
+from kvjax.remote.store_client import RemoteStore
 
 __all__ = ["CorruptEntry", "Link", "RemoteStore"]

@@ -6,7 +6,7 @@ start drafting at once while a background thread streams the full cache from the
 order, in chunks paced by the link. While the full cache is incomplete the drafter runs ahead (up to `max_ahead`
 tokens, whole draft rounds of `x`); nothing it drafts is emitted. The first verification waits for the WHOLE full
 cache: verifying layer by layer as layers land would change the compiled verify computation and with it the bit
-identity to the reference decoder (same reason as `kvjax.offload`). Verification then walks the run-ahead drafts
+identity to the reference decoder (same reason as `kvjax.decode.offload`). Verification then walks the run-ahead drafts
 in blocks of x (accepting a block, then its bonus token if it equals the next draft), and falls back to ordinary
 VeriCache rounds at the first mismatch. Every emitted token after the first is a full-cache verify output, so the
 greedy output equals `vericache.reference_decode` token for token.
@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.forms import ModelCache, init_cache
-from kvjax.cache.tiers import CorruptEntry
+from kvjax.cache.dense import ModelCache
+from kvjax.models.llama.cache import init_cache
+from kvjax.errors import CorruptEntry
 from kvjax.compress import Compressor, make_compressor
-from kvjax.decode import draft_steps, steps
+from kvjax.decode import rounds as draft_steps, steps
 from kvjax.decode import vericache as vc
 from kvjax.remote import prefix_entry as pe
 from kvjax.remote.store_client import RemoteStore

@@ -1,6 +1,6 @@
 """What a stored prefix is: its identity, and the bundles that hold its full cache, last logits and draft caches.
 
-Identity. The namespace is the prefix cache's (`kvjax.cache.identity.make_namespace`: weights content fingerprint,
+Identity. The namespace is the prefix cache's (`kvjax.prefix.identity.make_namespace`: weights content fingerprint,
 every config field that changes keys/values, kv dtype, tenant salt, ...) with this package's full-cache format as
 its representation; the prefix key is BLAKE2b(namespace, prompt token ids), and the stored token ids are re-compared
 on every hit (a digest is an address, not a proof). A draft cache is a second, lossy representation of the same
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.draft_forms import DraftCache, DraftLayer, QuantizedKV, RecentKV, SparseKV
-from kvjax.cache.forms import DenseKV, ModelCache, SwaWindow
-from kvjax.cache.identity import Namespace, canonical, digest, make_namespace, weights_fingerprint
-from kvjax.cache.tiers import CorruptEntry
+from kvjax.cache.draft import DraftCache, DraftLayer, QuantizedKV, RecentKV, SparseKV
+from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
+from kvjax.prefix.identity import Namespace, canonical, digest, make_namespace, weights_fingerprint
+from kvjax.errors import CorruptEntry
 from kvjax.remote.store_client import RemoteStore
 
 FULL_FORMAT = "kvjax-remote-full-v1"  # per-layer prompt rows [K, P, D] / sliding rings [K, W, D], batch 1
@@ -93,7 +93,7 @@ def store_full(store: RemoteStore, ns: Namespace, tokens, logits, full: ModelCac
                                      {"logits": np.asarray(logits, np.float32).reshape(-1), "tokens": tokens})}
     layers = []
     for i, form in enumerate(full.layers):
-        if isinstance(form, SwaWindow):
+        if isinstance(form, WindowKV):
             arrays = {"k": np.asarray(form.k[0]), "v": np.asarray(form.v[0])}
             layers.append({"kind": "swa", "window": form.window})
         else:
@@ -161,7 +161,7 @@ def iter_layers(store: RemoteStore, ns: Namespace, tokens, body: dict, capacity:
             raise CorruptEntry(f"layer {i}: k {k.dtype}{k.shape}, v {v.dtype}{v.shape}, expected {np.dtype(dtype)}")
         seen = jnp.full((1,), P, jnp.int32)
         if spec["kind"] == "swa":
-            yield i, SwaWindow(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
+            yield i, WindowKV(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
             continue
         if k.shape[1] != P:
             raise CorruptEntry(f"layer {i}: {k.shape[1]} rows, prefix has {P}")

@@ -1,7 +1,7 @@
 """A small TensorStore kvstore client for remote prefix entries: checksummed chunked bundles, two-phase publish,
 reads paced by a `Link` model.
 
-Same rules as the prefix cache's store tier (`kvjax.cache.tiers.StoreTier`), at a coarser grain: there an entry is
+Same rules as the prefix cache's store tier (`kvjax.prefix.tiers.StoreTier`), at a coarser grain: there an entry is
 one block of one form; here an entry is a whole prefix (per-layer full-cache bundles, the last-position logits, one
 bundle per draft cache), because a remote fetch streams a prefix as a unit, in layer order.
 
@@ -24,8 +24,8 @@ import os
 
 import numpy as np
 
-from kvjax.cache.identity import payload_checksum
-from kvjax.cache.tiers import CorruptEntry
+from kvjax.prefix.identity import payload_checksum
+from kvjax.errors import CorruptEntry
 from kvjax.remote.link import Link
 
 MAGIC = "kvjax-remote-prefix"

@@ -1,0 +1,32 @@
+"""Small array facts used everywhere: dtype names and the bytes a pytree holds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ALIASES = {"f32": jnp.float32, "float32": jnp.float32, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}
+DTYPE_NAMES = ("f32", "float32", "bf16", "bfloat16")
+
+
+def np_dtype(name_or_dtype) -> np.dtype:
+    """'f32' / 'float32' / 'bf16' / 'bfloat16' / a dtype -> a NumPy dtype (ml_dtypes for bf16).
+
+    Raises:
+        ValueError: for any other name.
+    """
+    if isinstance(name_or_dtype, str) and name_or_dtype not in _ALIASES:
+        raise ValueError(f"dtype {name_or_dtype!r}; expected one of {DTYPE_NAMES}")
+    return np.dtype(_ALIASES.get(name_or_dtype, name_or_dtype)) if isinstance(name_or_dtype, str) \
+        else np.dtype(name_or_dtype)
+
+
+def jnp_dtype(name_or_dtype):
+    """The JAX dtype of a dtype name ('f32', 'bf16', ...) or dtype."""
+    return jnp.dtype(np_dtype(name_or_dtype))
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of every array leaf of `tree` (concrete arrays or `jax.ShapeDtypeStruct`s)."""
+    return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))

@@ -1,0 +1,192 @@
+"""Lossy draft-cache forms (VeriCache drafts): a few tokens kept, or all tokens quantized, plus a recent ring.
+
+A draft cache never has to be right, only cheap and usually agreeing: the full cache decides every token. Each
+draft layer is a `DraftLayer` = a tuple of prompt *parts* (fixed after compression) + a `RecentKV` ring for tokens
+decoded since (the drafted ones while drafting, replaced by the exact verified KV once accepted).
+
+- `SparseKV`: kept keys/values at their ORIGINAL absolute positions (no re-rotation), `pos` per token `[B, S]` or
+  per head `[B, K, S]` (per-head selections: SnapKV, KVzip); -1 = empty slot.
+- `QuantizedKV`: KIVI-style (arXiv 2402.02750) asymmetric min/max codes, keys per channel over groups of `G`
+  slots, values per token; the exact format is the shared contract with `pallas_kernels/` (packing: element d in
+  byte d // (8 // bits), bit offset (d % (8 // bits)) * bits, low bits first). Extension: `pos` may be per head
+  `[B, K, S]` when the quantized tokens were selected per head (drop + quantize).
+- `RecentKV`: ring of R slots with explicit positions (slot p % R), so rolled-back drafts are masked by setting
+  their positions to -1 — never a reshape.
+
+Layout `[B, K, S, D]` as in `kvjax.cache.dense` (token axis next to the head dim; see that module for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def _nbytes(*arrays) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseKV:
+    """Kept keys/values at their original positions."""
+
+    k: jax.Array  # [B, K, S, D]
+    v: jax.Array  # [B, K, S, D]
+    pos: jax.Array  # i32[B, S] or i32[B, K, S]; -1 = empty
+
+    def dense(self):
+        """(k, v, pos) for attention."""
+        return self.k, self.v, self.pos
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v, self.pos)
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """u8[..., D] codes in [0, 2**bits) -> u8[..., D * bits // 8], low bits first."""
+    per = 8 // bits
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    return jnp.sum(jnp.left_shift(c, shifts), axis=-1, dtype=jnp.uint8)
+
+
+def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack_codes`: u8[..., D * bits // 8] -> u8[..., D]."""
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    c = jnp.right_shift(packed[..., None], shifts) & jnp.uint8((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _minmax_quant(x: jax.Array, axis, bits: int):
+    """Asymmetric min/max over `axis` (kept dims): returns (codes u8 same shape as x, scale, zero)."""
+    lo = jnp.min(x, axis=axis, keepdims=True)
+    hi = jnp.max(x, axis=axis, keepdims=True)
+    rng = hi - lo
+    scale = jnp.where(rng > 0, rng / (2**bits - 1), 1.0)
+    codes = jnp.clip(jnp.round((x - lo) / scale), 0, 2**bits - 1).astype(jnp.uint8)
+    return codes, scale.astype(jnp.float32), lo.astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """KIVI-style 2/4-bit keys (per channel, groups of `group` slots) and values (per token)."""
+
+    k_codes: jax.Array  # u8[B, K, S, D * bits // 8]
+    k_scale: jax.Array  # f32[B, K, S // G, D]
+    k_zero: jax.Array  # f32[B, K, S // G, D]
+    v_codes: jax.Array  # u8[B, K, S, D * bits // 8]
+    v_scale: jax.Array  # f32[B, K, S, 1]
+    v_zero: jax.Array  # f32[B, K, S, 1]
+    pos: jax.Array  # i32[B, S] (or [B, K, S], see module docstring); -1 = empty
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def quantize(cls, k: jax.Array, v: jax.Array, pos: jax.Array, *, bits: int = 4, group: int = 32) -> "QuantizedKV":
+        """Quantize k, v [B, K, S, D] (S a multiple of `group`) with positions `pos`.
+
+        Empty slots (pos -1) should hold zeros so they do not widen their key group's range.
+        """
+        if bits not in (2, 4):
+            raise ValueError(f"bits must be 2 or 4, got {bits}")
+        B, K, S, D = k.shape
+        if S % group:
+            raise ValueError(f"quantized slots S={S} must be a multiple of the key group {group}")
+        kg = k.astype(jnp.float32).reshape(B, K, S // group, group, D)
+        kc, ks, kz = _minmax_quant(kg, axis=3, bits=bits)  # scale/zero: [B, K, S//G, 1, D]
+        vc, vs, vz = _minmax_quant(v.astype(jnp.float32), axis=3, bits=bits)  # [B, K, S, 1]
+        return cls(k_codes=pack_codes(kc.reshape(B, K, S, D), bits), k_scale=ks[:, :, :, 0], k_zero=kz[:, :, :, 0],
+                   v_codes=pack_codes(vc, bits), v_scale=vs, v_zero=vz, pos=pos.astype(jnp.int32), bits=bits,
+                   group=group)
+
+    def dense(self, dtype=jnp.float32):
+        """Dequantised (k [B, K, S, D], v [B, K, S, D], pos)."""
+        B, K, S, _ = self.k_codes.shape
+        kc = unpack_codes(self.k_codes, self.bits).astype(jnp.float32)
+        D = kc.shape[-1]
+        G = self.group
+        k = kc.reshape(B, K, S // G, G, D) * self.k_scale[:, :, :, None] + self.k_zero[:, :, :, None]
+        v = unpack_codes(self.v_codes, self.bits).astype(jnp.float32) * self.v_scale + self.v_zero
+        return k.reshape(B, K, S, D).astype(dtype), v.astype(dtype), self.pos
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, self.pos)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecentKV:
+    """Ring of `R` slots for tokens decoded after compression; slot p % R holds position p (pos -1 = empty)."""
+
+    k: jax.Array  # [B, K, R, D]
+    v: jax.Array  # [B, K, R, D]
+    pos: jax.Array  # i32[B, R]
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype=jnp.float32) -> "RecentKV":
+        shape = (batch, kv_heads, slots, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=jnp.full((batch, slots), -1, jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, n_valid: jax.Array) -> "RecentKV":
+        """Write rows `t < n_valid[b]` of k_new/v_new [B, T, K, D] (T <= R) at slots positions % R.
+
+        Args:
+            positions: i32[B, T] absolute positions of the rows.
+        """
+        B, T = k_new.shape[:2]
+        R = self.slots
+        t = jnp.arange(T)[None, :]
+        slot = jnp.where(t < n_valid[:, None], jnp.mod(positions, R), R)  # R -> dropped
+        b = jnp.arange(B)[:, None]
+        k = self.k.at[b, :, slot].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[b, :, slot].set(v_new.astype(self.v.dtype), mode="drop")
+        pos = self.pos.at[b, slot].set(positions.astype(jnp.int32), mode="drop")
+        return RecentKV(k=k, v=v, pos=pos)
+
+    def rollback(self, length: jax.Array) -> "RecentKV":
+        """Forget every position >= length[b] (rejected drafts): a masked position update."""
+        return dataclasses.replace(self, pos=jnp.where(self.pos >= length[:, None], -1, self.pos))
+
+    def dense(self):
+        return self.k, self.v, self.pos
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v, self.pos)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftLayer:
+    """One layer of a draft cache: compressed prompt parts + the recent ring. `window` = sliding window or None."""
+
+    parts: tuple  # SparseKV | QuantizedKV, fixed after compression
+    recent: RecentKV
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def prompt_nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    """The lossy per-request state the drafter reads: one `DraftLayer` per model layer + the token count."""
+
+    layers: tuple  # DraftLayer per layer
+    length: jax.Array  # i32[B] tokens processed (= next position)
+
+    def prompt_nbytes(self) -> int:
+        """Bytes of the compressed prompt parts (what the compression ratio is about)."""
+        return sum(l.prompt_nbytes() for l in self.layers)
+
+    def nbytes(self) -> int:
+        return sum(l.prompt_nbytes() + l.recent.nbytes() for l in self.layers) + _nbytes(self.length)

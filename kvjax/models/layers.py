@@ -1,0 +1,37 @@
+"""Building blocks shared by every family: RMSNorm, rotary embeddings, the gated MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.models.rope import RopeConfig, rope_inv_freq
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in f32 and cast back, as transformers does (weight applied after the cast)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_cos_sin(rope: RopeConfig, dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., dim] for integer `positions` (f32), with the rope type's attention scale folded in."""
+    inv, scale = rope_inv_freq(rope, dim)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = cos[:, :, None, :].astype(x.dtype)
+    s = sin[:, :, None, :].astype(x.dtype)
+    return x * c + rot * s
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

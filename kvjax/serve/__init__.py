@@ -1,0 +1,1 @@
+"""Many requests: requests and results, the device-memory budget, batched drafting, staggered verification."""

@@ -1,0 +1,501 @@
+"""Many long requests on one device: batched drafting, staggered verification, a device-memory budget.
+
+VeriCache (arXiv 2605.17613) pays most when many long requests share a device: their full caches do not fit, their
+draft caches do. Each admitted request holds on the device a row of one static-shape draft-cache batch (its
+compressed prompt + recent ring) and a small tail (its decoded tokens' exact KV); its prompt's full KV lives in pinned
+host memory. One iteration of the scheduler:
+
+1. verify the requests that are due, each through the B = 1 offloaded verify step (`draft_steps.verify_offloaded`)
+   on its full cache, fetched beforehand; accepted tokens refresh its draft ring (`scheduler_steps.take_row/put_row`);
+2. admit waiting requests that fit the budget and a free slot (continuous batching; requests arrive at iterations);
+3. start the host->device copies of the full caches of the requests due next (asynchronous `jax.device_put`, at most
+   `verify_slots` full caches on the device at once), then dispatch one batched draft call over all slots
+   (`scheduler_steps.draft_slots`, masked: slots waiting, empty or finished do not move). The copies run while the
+   drafting does — the overlap VeriCache's staggering is for.
+
+Modes. "staggered": one drafted token per iteration, and each new request's rounds are offset from the others' so
+that rounds end at different iterations — about 1/x of the requests verify per iteration (the paper's staggering; the
+offset is picked where the fewest other requests are due, by holding the request back a few iterations, or by
+shortening its first round: `stagger`). "lockstep": every slot drafts x tokens in one call, then
+every request verifies in turn, nothing overlapped: the comparison point.
+
+Exactness. Every request's tokens equal `vericache.reference_decode` of its prompt (greedy; position-keyed sampling
+too): verification is the single-request verify step, a partial round pads its drafts with -1 (never accepted), and
+the batch only ever drafts.
+
+On the CPU the "host link" is the same memory bus and the same two cores the drafting uses, so hiding the copies
+can win little: the lock-step run's own per-phase costs bound staggering's gain over lock-step by the copies' share
+of the time (scripts/bench_scheduler.py prints that bound), and the per-iteration overhead of one-token draft calls
+eats part of it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule is for accelerators, where
+drafting reads device memory while the copies use the interconnect.
+
+Budget (`scheduler_memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
+batch (static slots of the first request's draft-cache shape) and the verification pool (`verify_slots` full caches
+plus one draft row of admission scratch) to fit `budget_bytes`. Requests that do not fit wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.decode import offload as offl
+from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
+from kvjax.cache.dense import DenseKV, WindowKV
+from kvjax.compress import Compressor, make_compressor
+from kvjax.decode import rounds as draft_steps
+from kvjax.serve import batch_steps as ss
+from kvjax.decode import vericache as vc
+from kvjax.errors import BudgetError
+from kvjax.serve.memory import DeviceMemory, device_stats_peak, tree_bytes
+
+MODES = ("staggered", "lockstep")
+
+
+@dataclasses.dataclass
+class Request:
+    """One decoding request.
+
+    Attributes:
+        prompt: i32[P] prompt token ids.
+        max_new_tokens: tokens to emit (no EOS stop).
+        arrival: scheduler iteration from which the request may be admitted.
+        seed: sampling seed (unused when greedy).
+        prefilled: optional (full ModelCache after prefill, first token i32[1]) from `prefill_request` (its arrays may
+            live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with the
+            run's temperature and this seed); None = the scheduler prefills on admission.
+    """
+
+    prompt: np.ndarray
+    max_new_tokens: int
+    arrival: int = 0
+    seed: int = 0
+    prefilled: tuple | None = None
+
+
+def prefill_request(model, prompt, max_new_tokens: int, *, draft_len: int, host: bool = True, seed: int = 0,
+                    temperature: float = 0.0) -> tuple:
+    """Prefill a prompt at the capacity VeriCache and its reference use: (full cache, first i32[1]).
+
+    With `host`, the cache is moved to pinned host memory (its device copy is freed).
+    """
+    full, first = vc.prefill_for(model, prompt, max_new_tokens, max_draft=draft_len, temperature=temperature,
+                                 seed=seed)
+    if host:
+        full = offl.to_host(full)
+        jax.block_until_ready(full)
+    return full, first
+
+
+@dataclasses.dataclass
+class SchedulerResult:
+    """Outputs and measurements of one scheduler run.
+
+    Attributes:
+        outputs: request index -> i32[max_new_tokens] tokens.
+        wall_s: seconds from start to the last token; tokens: tokens emitted; tokens_per_s: their ratio.
+        budget_bytes, peak_measured_bytes, peak_reserved_bytes: the device budget and the peaks (see
+            `scheduler_memory`); device_peak_bytes: the allocator's peak where the backend has one (GPU), else None.
+        timeline: (seconds, measured device bytes, reserved bytes, tokens emitted so far) samples.
+        stats: per-phase times and counts (mode dependent).
+    """
+
+    name: str
+    outputs: dict
+    wall_s: float
+    tokens: int
+    budget_bytes: int
+    peak_measured_bytes: int
+    peak_reserved_bytes: int
+    device_peak_bytes: int | None
+    timeline: list
+    stats: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host-side bookkeeping of one admitted request (arrays: its host full KV and its device tail)."""
+
+    idx: int
+    req: Request
+    slot: int
+    host_kv: tuple  # per layer (k, v) in pinned host memory, None for sliding layers
+    tail: tuple  # per layer: DenseKV of decoded tokens or the WindowKV ring (device)
+    length: int  # tokens in the full cache (prompt + emitted - 1)
+    prompt_len: int
+    tail_bytes: int
+    out: list
+
+    @property
+    def need(self) -> int:
+        return self.req.max_new_tokens - len(self.out)
+
+
+class VeriCacheScheduler:
+    """Runs many requests with VeriCache under a device-memory budget (see the module docstring).
+
+    Args:
+        model: a `kvjax.Model` (Llama family).
+        budget_bytes: device bytes for per-request state (weights excluded).
+        compressor: a `Compressor` or a name for `make_compressor`; compressor_kw its fields.
+        draft_len: x, drafts per round (static).
+        mode: "staggered" or "lockstep".
+        stagger: how a new request's rounds are offset in staggered mode: "delay" (hold it back up to x - 1
+            iterations) or "shorten" (a shorter first round: one extra verification).
+        draft_chunk: tokens each slot drafts per staggered iteration (1 = the paper's schedule; k > 1 verifies
+            ~k/x of the requests per iteration, with k times fewer iterations and so less per-iteration overhead).
+        max_slots: upper bound on the draft-batch slots (the budget may allow fewer).
+        verify_slots: full caches allowed on the device at once (being fetched or verified).
+        recent_slots: draft ring slots for decoded tokens (default max_new + x + 2, at least 64).
+        tail_capacity: slots of each request's decoded-token tail (default: the bucket for max_new + x + 2); fixing
+            it (and recent_slots) lets a short warm-up run compile the shapes of a long one.
+        temperature: 0 = greedy, > 0 = position-keyed sampling (exact in the same sense).
+    """
+
+    def __init__(self, model, *, budget_bytes: int, compressor: str | Compressor = "streaming",
+                 compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
+                 draft_chunk: int = 1, max_slots: int = 16, verify_slots: int = 1, recent_slots: int | None = None,
+                 tail_capacity: int | None = None, temperature: float = 0.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if stagger not in ("delay", "shorten"):
+            raise ValueError(f"stagger must be 'delay' or 'shorten', got {stagger!r}")
+        if verify_slots < 1 or max_slots < 1:
+            raise ValueError(f"verify_slots and max_slots must be >= 1, got {verify_slots}, {max_slots}")
+        draft_steps.check_draft_len(model.config, draft_len)
+        self.model = model
+        self.budget = int(budget_bytes)
+        self.comp = make_compressor(compressor, **(compressor_kw or {})) if isinstance(compressor, str) else compressor
+        self.x = draft_len
+        self.mode = mode
+        self.stagger = stagger
+        if not 1 <= draft_chunk <= draft_len:
+            raise ValueError(f"draft_chunk must be in 1..draft_len={draft_len}, got {draft_chunk}")
+        self.chunk = draft_chunk if mode == "staggered" else draft_len
+        self.max_slots = max_slots
+        self.verify_slots = verify_slots
+        self.recent_slots = recent_slots
+        self.tail_capacity = tail_capacity
+        self.temperature = temperature
+
+    # ------------------------------------------------------------ run
+
+    def run(self, requests: list[Request]) -> SchedulerResult:
+        """Decode every request; returns outputs in request order plus measurements."""
+        if not requests:
+            raise ValueError("no requests")
+        self._reset(requests)
+        t0 = time.perf_counter()
+        it = 0
+        while self.queue or self.live:
+            if not self.live and self.queue and self.queue[0][1].arrival > it:
+                it = self.queue[0][1].arrival  # idle until the next arrival
+            if self.mode == "staggered":
+                self._iteration_staggered(it)
+            else:
+                self._iteration_lockstep(it)
+            it += 1
+        wall = time.perf_counter() - t0
+        self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x, draft_chunk=self.chunk,
+                          compressor=self.comp.name, verify_slots=self.verify_slots,
+                          mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
+                          verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
+                          verifies_per_iteration=list(self.verifies_per_iteration))
+        return SchedulerResult(
+            name=f"vericache-{self.mode}", outputs={i: np.asarray(o[:requests[i].max_new_tokens], np.int32)
+                                                    for i, o in self.done.items()},
+            wall_s=wall, tokens=self.emitted, budget_bytes=self.budget, peak_measured_bytes=self.mem.peak_measured,
+            peak_reserved_bytes=self.mem.peak_reserved, device_peak_bytes=device_stats_peak(),
+            timeline=self.mem.timeline, stats=self.stats)
+
+    def _reset(self, requests):
+        self.queue = sorted(enumerate(requests), key=lambda p: (p[1].arrival, p[0]))
+        self.live: dict[int, _Live] = {}  # slot -> request
+        self.done: dict[int, list] = {}
+        self.inflight: dict[int, tuple] = {}  # slot -> fetched full KV (device)
+        self.mem = DeviceMemory(self.budget)
+        self.batch = None
+        self.n_slots = 0
+        self.row_bytes = 0
+        self.pool_full = 0
+        self.accepted: list[int] = []
+        self.verifies_per_iteration: list[int] = []
+        self.emitted = 0
+        self.stats = dict(draft_s=0.0, draft_calls=0, draft_steps=0, fetch_s=0.0, verify_s=0.0, admit_s=0.0,
+                          admissions=0)
+
+    # ------------------------------------------------------------ iterations
+
+    def _iteration_staggered(self, it: int) -> None:
+        self._verify_due()
+        self._admit(it)
+        if not self.live:
+            return
+        upcoming = [s for s in self._order() if self._remaining(s) <= 1]
+        self._prefetch(upcoming)
+        t = time.perf_counter()
+        self._draft(steps=self.chunk)  # allocates nothing new (donated)
+        self.hold = np.maximum(self.hold - 1, 0).astype(np.int32)
+        self.stats["draft_s"] += time.perf_counter() - t  # dispatch only: the drafting overlaps the copies
+
+    def _iteration_lockstep(self, it: int) -> None:
+        self._admit(it)
+        if not self.live:
+            return
+        t = time.perf_counter()
+        self._draft(steps=self.x)
+        jax.block_until_ready(self.drafts)
+        self.stats["draft_s"] += time.perf_counter() - t
+        self.mem.sample(self.emitted)
+        self._verify_due(blocking_fetch=True)
+
+    def _order(self) -> list[int]:
+        """Occupied slots, soonest due first."""
+        return sorted(self.live, key=lambda s: (self._remaining(s), s))
+
+    def _remaining(self, s: int) -> int:
+        """Iterations until slot s is due for verification (0 = due now)."""
+        return int(self.hold[s] + -(-max(self.limit[s] - self.count[s], 0) // self.chunk))
+
+    # ------------------------------------------------------------ drafting
+
+    def _draft(self, steps: int) -> None:
+        limit = np.where(self.hold > 0, self.count, self.limit).astype(np.int32)  # held slots wait
+        if not any(self.count[s] < limit[s] for s in self.live):
+            return
+        b, d = self.batch, self.drafts
+        # small per-call arrays go in as numpy: jit transfers them with its arguments (a jnp.asarray each would be
+        # one more dispatch, a measurable share of a one-token draft iteration). Copies: on the CPU a numpy argument
+        # may be used in place, and these host arrays are updated while the call may still be running.
+        self.batch, self.drafts, _ = ss.draft_slots(
+            self.model.params, self.model.config, b, self.last.copy(), d, self.count.copy(),
+            limit, self.seeds.copy(), steps=steps, temperature=self.temperature)
+        moving = self.count < limit
+        self.count = np.where(moving, np.minimum(self.count + steps, limit), self.count).astype(np.int32)
+        self.stats["draft_calls"] += 1
+        self.stats["draft_steps"] += steps
+
+    # ------------------------------------------------------------ verification
+
+    def _prefetch(self, slots, busy: int = 0) -> None:
+        """Start host->device copies of the next full caches, at most `verify_slots` on the device at once
+        (`busy` = full caches already on the device outside `inflight`, i.e. being verified)."""
+        issued = False
+        for s in slots:
+            if len(self.inflight) + busy >= self.verify_slots:
+                break
+            if s not in self.inflight and self.live[s].host_kv is not None:
+                self.inflight[s] = offl.fetch(self.live[s].host_kv)
+                issued = True
+        if issued:  # (sampling walks every live array: only when the device memory grew)
+            self.mem.sample(self.emitted)
+
+    def _verify_due(self, blocking_fetch: bool = False) -> None:
+        due = [s for s in self._order() if self._remaining(s) == 0]
+        self.verifies_per_iteration.append(len(due))
+        due.sort(key=lambda s: (s not in self.inflight, s))  # prefetched ones first
+        for i, s in enumerate(due):
+            t = time.perf_counter()
+            if s not in self.inflight:
+                self._prefetch([s])
+            fetched = self.inflight.pop(s)
+            if blocking_fetch:
+                jax.block_until_ready(fetched)
+                t2 = time.perf_counter()
+                self.stats["fetch_s"] += t2 - t
+                t = t2
+            else:
+                # the next due request's copy goes out while this one verifies (if a verify slot is free)
+                self._prefetch(due[i + 1:], busy=1)
+            self._verify_one(s, fetched)
+            del fetched
+            self.stats["verify_s"] += time.perf_counter() - t
+            self.mem.sample(self.emitted)
+
+    def _verify_one(self, s: int, fetched) -> None:
+        r = self.live[s]
+        cfg, params = self.model.config, self.model.params
+        row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s))
+        emitted, n, tail, row, scratch = draft_steps.verify_offloaded(
+            params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
+            row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
+            temperature=self.temperature)
+        self.batch = ss.put_row(self.batch, row, np.int32(s))
+        n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
+        del scratch
+        new = np.asarray(emitted[0, :n_host + 1])
+        r.tail = tail
+        r.length += n_host + 1
+        r.out.extend(int(t) for t in new)
+        self.emitted += len(new)
+        self.accepted.append(n_host)
+        self.last[s] = int(new[-1])
+        self.count[s] = 0
+        if r.need <= 0:
+            self._finish(s)
+        else:
+            # a last round shorter than x ends off-phase; shortening it further to dodge other requests' rounds
+            # would cost a whole extra verification, more than a collision does
+            self.limit[s] = min(self.x, r.need - 1)
+
+    def _finish(self, s: int) -> None:
+        r = self.live.pop(s)
+        self.done[r.idx] = r.out
+        self.emitted -= max(len(r.out) - r.req.max_new_tokens, 0)  # the last round may overshoot; not emitted
+        self.mem.release(r.tail_bytes)
+        r.tail = r.host_kv = None
+        self.count[s] = self.limit[s] = self.hold[s] = 0
+
+    # ------------------------------------------------------------ admission
+
+    def _admit(self, it: int) -> None:
+        """Admit arrived requests while a slot and the budget allow (the verify pool is free here)."""
+        while self.queue and self.queue[0][1].arrival <= it:
+            idx, req = self.queue[0]
+            if self.batch is not None and len(self.live) >= self.n_slots:
+                return
+            if not self._admit_one(idx, req):
+                if not self.live:
+                    raise BudgetError(f"request {idx} cannot fit the device budget {self.budget} even alone")
+                return
+            self.queue.pop(0)
+
+    def _full_bytes(self, req) -> int:
+        cfg = self.model.config
+        if req.prefilled is not None:
+            return tree_bytes([(l.k, l.v) for l in req.prefilled[0].layers if not isinstance(l, WindowKV)])
+        cap = vc.capacity_for(len(req.prompt), req.max_new_tokens, self.x)
+        item = 2 if getattr(self.model, "dtype", "f32") in ("bf16", "bfloat16") else 4
+        n_full = sum(t == "full_attention" for t in cfg.layer_types)
+        return 2 * n_full * cfg.num_kv_heads * cap * cfg.head_dim * item
+
+    def _tail_cap(self, req) -> int:
+        need = req.max_new_tokens + self.x + 2
+        if self.tail_capacity is not None:
+            if self.tail_capacity < need:
+                raise ValueError(f"tail_capacity {self.tail_capacity} < {need} (max_new_tokens + x + 2)")
+            return self.tail_capacity
+        return pick_capacity(need, CAPACITY_BUCKETS)
+
+    def _admit_one(self, idx: int, req: Request) -> bool:
+        t0 = time.perf_counter()
+        cfg = self.model.config
+        F = self._full_bytes(req)
+        if self.batch is not None:
+            grow = self.verify_slots * max(F - self.pool_full, 0)
+            if not self.mem.fits(grow + self._tail_bytes_estimate(req)):
+                return False
+            if grow:
+                self.mem.reserve(grow, "verification pool")
+                self.pool_full = F
+        elif not self.mem.fits(F):
+            raise BudgetError(f"one full cache ({F} bytes, the verification slot) exceeds the budget {self.budget}")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"request {idx}: max_new_tokens must be >= 1")
+
+        # full cache on the device (it occupies the verification slot), compressed into a draft row
+        prompt = np.asarray(req.prompt, np.int32).reshape(-1)
+        if req.prefilled is not None:
+            full, first = req.prefilled
+            full = offl.fetch(full)
+        else:
+            full, first = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
+                                         temperature=self.temperature, seed=req.seed)
+        R = self.recent_slots or max(64, req.max_new_tokens + self.x + 2)
+        row = self.comp(self.model.params, cfg, full, prompt, recent_slots=max(R, self.x + 1))
+        self.mem.sample(self.emitted)
+        tail_cap = self._tail_cap(req)
+        tail = tuple(l if isinstance(l, WindowKV) else
+                     DenseKV(k=jnp.zeros(l.k.shape[:2] + (tail_cap,) + l.k.shape[3:], l.k.dtype),
+                             v=jnp.zeros(l.v.shape[:2] + (tail_cap,) + l.v.shape[3:], l.v.dtype),
+                             length=jnp.zeros((1,), jnp.int32)) for l in full.layers)
+        tail_bytes = tree_bytes(tail)
+        if self.batch is None:
+            self._make_batch(row, F, tail_bytes, n_requests=len(self.queue))
+        if not self.mem.fits(tail_bytes):
+            return False  # (only reachable for later admissions; their full cache copy is dropped below)
+        self.mem.reserve(tail_bytes, f"request {idx} tail")
+        if req.prefilled is not None:
+            host_kv = tuple(None if isinstance(l, WindowKV) else (l.k, l.v) for l in req.prefilled[0].layers)
+        else:
+            host_kv = offl.to_host(tuple(None if isinstance(l, WindowKV) else (l.k, l.v) for l in full.layers))
+        prompt_len = int(full.length[0])
+        del full
+        s = next(i for i in range(self.n_slots) if i not in self.live)
+        self.batch = ss.put_slot_row(self.batch, ss.pad_row(row, self.batch), np.int32(s))
+        del row
+        r = _Live(idx=idx, req=req, slot=s, host_kv=host_kv, tail=tail, length=prompt_len, prompt_len=prompt_len,
+                  tail_bytes=tail_bytes, out=[int(np.asarray(first)[0])])
+        self.live[s] = r
+        self.emitted += 1
+        self.last[s] = r.out[0]
+        self.seeds[s] = req.seed
+        self.count[s] = 0
+        if r.need <= 0:
+            self._finish(s)
+        else:
+            self.limit[s] = min(self.x, r.need - 1)
+            if self.mode == "staggered":
+                self._stagger_start(s)
+        jax.block_until_ready(self.batch)
+        self.mem.sample(self.emitted)
+        self.stats["admit_s"] += time.perf_counter() - t0
+        self.stats["admissions"] += 1
+        return True
+
+    def _tail_bytes_estimate(self, req) -> int:
+        cfg = self.model.config
+        item = 2 if getattr(self.model, "dtype", "f32") in ("bf16", "bfloat16") else 4
+        n_full = sum(t == "full_attention" for t in cfg.layer_types)
+        return 2 * n_full * cfg.num_kv_heads * self._tail_cap(req) * cfg.head_dim * item
+
+    def _make_batch(self, row, F: int, tail_bytes: int, n_requests: int) -> None:
+        """Size and allocate the slot batch and the verification pool from the first request's shapes."""
+        self.row_bytes = tree_bytes(row)
+        self.pool_full = F
+        pool = self.verify_slots * F + self.row_bytes  # + one draft row of admission scratch
+        n = (self.budget - pool) // (self.row_bytes + tail_bytes)
+        n = int(min(n, self.max_slots, max(n_requests, 1)))
+        if n < 1:
+            raise BudgetError(f"budget {self.budget} bytes cannot hold {self.verify_slots} verification slot(s) of "
+                              f"{F} bytes + admission scratch {self.row_bytes} + one draft row {self.row_bytes} "
+                              f"+ tail {tail_bytes}")
+        self.n_slots = n
+        self.mem.reserve(pool + n * self.row_bytes, "verification pool and draft slots")
+        self.batch = ss.empty_slots(row, n)
+        self.drafts = jnp.zeros((n, self.x), jnp.int32)
+        self.last = np.zeros((n,), np.int32)
+        self.seeds = np.zeros((n,), np.int32)
+        self.count = np.zeros((n,), np.int32)
+        self.limit = np.zeros((n,), np.int32)
+        self.hold = np.zeros((n,), np.int32)  # staggered "delay": iterations a new request waits before drafting
+        self.qdummy = jnp.zeros((1, 1, self.model.config.vocab_size), jnp.float32)
+
+    def _stagger_start(self, s: int) -> None:
+        """Offset a new request's rounds from the others': its first verification lands on the iteration (within the
+        next x) where the fewest other requests verify. "delay" holds it back a few iterations (its slot drafts
+        nothing meanwhile; no extra verification); "shorten" makes its first round shorter (an extra verification,
+        no waiting)."""
+        L = int(self.limit[s])
+        if L <= 1:
+            return
+        k = self.chunk
+        period = -(-self.x // k)  # iterations per full round
+        load = np.zeros(2 * period + 2, np.int64)
+        for o in self.live:
+            if o != s:
+                load[min(self._remaining(o), 2 * period + 1)] += 1
+        if self.stagger == "shorten":
+            cand = np.arange(1, L + 1)  # first-round length
+            self.limit[s] = int(cand[np.lexsort((-cand, load[-(-cand // k)]))[0]])
+        else:
+            cand = np.arange(0, period)  # iterations held
+            self.hold[s] = int(cand[np.lexsort((cand, load[cand + -(-L // k)]))[0]])
