@@ -6,11 +6,8 @@ Every problem with a checkpoint names the tensor: missing, unexpected, or mis-sh
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

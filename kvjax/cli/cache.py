@@ -1,0 +1,33 @@
+"""`kvjax cache STORE`: inspect, verify or evict a prefix-cache store."""
+
+from __future__ import annotations
+
+from kvjax.cli.common import CliError, add_json
+
+
+def cmd_cache(args) -> dict:
+    from kvjax.prefix import inspect as store_inspect
+
+    report = store_inspect.inspect(args.store, namespace=args.namespace, verify=args.verify or args.evict_corrupt)
+    if args.evict:
+        report["evicted_namespaces"] = store_inspect.evict_namespace(args.store, args.evict)
+    if args.evict_corrupt:
+        report["evicted_corrupt"] = store_inspect.evict_entries(args.store, report["corrupt"])
+    if not args.json_stdout:
+        print(store_inspect.format_report(report))
+    if report.get("corrupt") and not args.evict_corrupt:
+        raise CliError(f"{len(report['corrupt'])} corrupt entries (first: {report['corrupt'][0]['key']}: "
+                       f"{report['corrupt'][0]['why']}); --evict-corrupt deletes them")
+    return report
+
+
+def register(sub) -> None:
+    """Add the `cache` subcommand to the parser's subparsers."""
+    c = sub.add_parser("cache", help="inspect, verify or evict a prefix-cache store")
+    c.add_argument("store", help="TensorStore kvstore URL or directory (file:// by default)")
+    c.add_argument("--namespace", help="only namespaces whose hex starts with this")
+    c.add_argument("--verify", action="store_true", help="read every entry and check header and checksum")
+    c.add_argument("--evict", metavar="HEX", help="delete every key of the namespaces starting with HEX")
+    c.add_argument("--evict-corrupt", action="store_true", help="verify, then delete entries that fail")
+    add_json(c)
+    c.set_defaults(fn=cmd_cache)
