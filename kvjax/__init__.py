@@ -1,12 +1,27 @@
 """kvjax: exact long-context decoding in JAX.
 
-Public API: `load(path)`, `logits(model, token_ids)`, `generate(model, prompt_ids, max_new_tokens=...)`.
+Public API (the same arguments and stats keys for every model family):
+    load, logits, generate                      — load a Hugging Face model directory, full-cache decoding
+    generate_vericache, reference_decode        — VeriCache (lossy draft, full-cache verify) and its reference
+    PrefixCache, forms_for                      — the prefix cache and a family's block layout
+    VeriCacheScheduler, FullCacheScheduler, Request — many requests under one device-memory budget
+    Model, Family, families                     — what `load` returns; model families as values
+and every error class (`kvjax.errors`).
 """
 
-from kvjax.api import Model, generate, load, logits
+from kvjax.api import check_token_ids, generate, load, logits
+from kvjax.decode.vericache import generate_vericache, reference_decode
+from kvjax.errors import (BudgetError, CapacityError, CorruptEntry, InputError, KvjaxError, StaleLease,
+                          UnsupportedConfigError, UnsupportedFeatureError, WeightsError)
+from kvjax.families import Family, forms_for
+from kvjax.model import Model
 from kvjax.models.llama.config import ModelConfig, config_from_hf, load_config
-from kvjax.errors import UnsupportedConfigError
+from kvjax.prefix import PrefixCache
+from kvjax.serve.full_scheduler import FullCacheScheduler
+from kvjax.serve.vericache_scheduler import Request, VeriCacheScheduler
 
-__all__ = ["Model", "ModelConfig", "UnsupportedConfigError", "config_from_hf", "generate", "load", "load_config",
-           "logits"]
-__version__ = "0.1.0"
+__all__ = ["BudgetError", "CapacityError", "CorruptEntry", "Family", "FullCacheScheduler", "InputError",
+           "KvjaxError", "Model", "ModelConfig", "PrefixCache", "Request", "StaleLease", "UnsupportedConfigError",
+           "UnsupportedFeatureError", "VeriCacheScheduler", "WeightsError", "check_token_ids", "config_from_hf",
+           "forms_for", "generate", "generate_vericache", "load", "load_config", "logits", "reference_decode"]
+__version__ = "0.2.0"

@@ -144,9 +144,8 @@ def shard_params(params, config, mesh: Mesh, *, vocab: bool | None = None):
 
 def shard_model(model, mesh: Mesh, *, vocab: bool | None = None):
     """A `kvjax.Model` whose params live on `mesh` (`shard_params`); everything that takes a model runs sharded."""
-    if getattr(model, "family_api", None) is not None:
-        raise ValueError(f"meshes support the Llama family only, not {model.config.family}")
-    return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh, vocab=vocab))
+    shard = model.family.require("shard_params", "tensor/data-parallel meshes (--tp/--dp)")
+    return dataclasses.replace(model, params=shard(model.params, model.config, mesh, vocab=vocab))
 
 
 def cache_spec(shape: tuple[int, ...], mesh: Mesh) -> P:

@@ -23,9 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-
-def _nbytes(*arrays) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+from kvjax.arrays import tree_nbytes
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +40,7 @@ class SparseKV:
         return self.k, self.v, self.pos
 
     def nbytes(self) -> int:
-        return _nbytes(self.k, self.v, self.pos)
+        return tree_nbytes((self.k, self.v, self.pos))
 
 
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
@@ -115,7 +113,7 @@ class QuantizedKV:
         return k.reshape(B, K, S, D).astype(dtype), v.astype(dtype), self.pos
 
     def nbytes(self) -> int:
-        return _nbytes(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, self.pos)
+        return tree_nbytes((self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, self.pos))
 
 
 @jax.tree_util.register_dataclass
@@ -160,7 +158,7 @@ class RecentKV:
         return self.k, self.v, self.pos
 
     def nbytes(self) -> int:
-        return _nbytes(self.k, self.v, self.pos)
+        return tree_nbytes((self.k, self.v, self.pos))
 
 
 @jax.tree_util.register_dataclass
@@ -189,4 +187,20 @@ class DraftCache:
         return sum(l.prompt_nbytes() for l in self.layers)
 
     def nbytes(self) -> int:
-        return sum(l.prompt_nbytes() + l.recent.nbytes() for l in self.layers) + _nbytes(self.length)
+        return sum(l.prompt_nbytes() + l.recent.nbytes() for l in self.layers) + tree_nbytes(self.length)
+
+
+def draft_split(draft: DraftCache):
+    """(the compressed prompt parts of every layer — fixed after compression, the loop invariant of drafting —, the
+    draft with those parts removed: its rings and length, what drafting and verification change)."""
+    frozen = tuple(l.parts for l in draft.layers)
+    live = DraftCache(layers=tuple(dataclasses.replace(l, parts=()) for l in draft.layers), length=draft.length)
+    return frozen, live
+
+
+def draft_join(frozen, live: DraftCache) -> DraftCache:
+    """Inverse of `draft_split`; `frozen` None leaves the parts out (a row handed to verification)."""
+    if frozen is None:
+        return live
+    return DraftCache(layers=tuple(dataclasses.replace(l, parts=p) for l, p in zip(live.layers, frozen)),
+                      length=live.length)

@@ -96,10 +96,14 @@ def _load_model(args):
     return model
 
 
-def _cache_dtype(model):
+def _decode(model, cache, tok, num_steps: int):
+    """`num_steps` greedy full-cache steps after `tok` (one jitted `lax.fori_loop`): (tokens i32[1, num_steps], cache)."""
     import jax.numpy as jnp
 
-    return jnp.bfloat16 if model.dtype in ("bf16", "bfloat16") else jnp.float32
+    from kvjax.decode import steps
+
+    return steps.decode(model.params, model.config, cache, tok, jnp.zeros((1,), jnp.int32), num_steps=num_steps,
+                        family=model.family, impl=model.attention)
 
 
 def _decode_full(model, ids, n: int, stream: _Stream, warmup: bool = True):
@@ -107,26 +111,24 @@ def _decode_full(model, ids, n: int, stream: _Stream, warmup: bool = True):
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.models.llama.cache import init_cache
     from kvjax.cache.capacity import pick_capacity
     from kvjax.decode import steps
 
-    cache = init_cache(model.config, 1, pick_capacity(ids.size + n + STREAM_CHUNK), _cache_dtype(model))
+    cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + n + STREAM_CHUNK), model.cache_dtype)
     with progress_bar(ids.size, "prefill") as bar:
-        logits, cache = steps.prefill(model.params, model.config, cache, ids, on_chunk=lambda d: bar.update(d - bar.n))
+        logits, cache = steps.prefill(model, cache, ids, on_chunk=lambda d: bar.update(d - bar.n))
     tok = jnp.argmax(logits).astype(jnp.int32)[None]
     if warmup and n > 1:  # compile on a copy, so tokens_per_s is the compiled speed
         import jax
 
-        jax.block_until_ready(steps.greedy_decode(model.params, model.config, jax.tree.map(jnp.copy, cache), tok,
-                                                  num_steps=STREAM_CHUNK)[0])
+        jax.block_until_ready(_decode(model, jax.tree.map(jnp.copy, cache), tok, STREAM_CHUNK)[0])
     out = [int(tok[0])]
     stream.add(out)
     t0 = time.perf_counter()
     with progress_bar(n, "decode") as bar:
         bar.update(1)
         while len(out) < n:
-            rest, cache = steps.greedy_decode(model.params, model.config, cache, tok, num_steps=STREAM_CHUNK)
+            rest, cache = _decode(model, cache, tok, STREAM_CHUNK)
             new = [int(t) for t in np.asarray(rest[0])][: n - len(out)]
             out += new
             stream.add(new)
@@ -140,14 +142,13 @@ def _decode_vericache(model, ids, args, stream: _Stream):
     """VeriCache with progress bars: the prefill of `vericache.prefill_for`, then `run_vericache`."""
     import jax.numpy as jnp
 
-    from kvjax.models.llama.cache import init_cache
-    from kvjax.decode import rounds as draft_steps, sampling, steps, vericache
+    from kvjax.decode import sampling, steps, vericache
 
     n = args.new_tokens
-    draft_steps.check_draft_len(model.config, args.draft_len)
-    full = init_cache(model.config, 1, vericache.capacity_for(ids.size, n, args.draft_len), _cache_dtype(model))
+    vericache.check_draft_len(model, args.draft_len)
+    full = model.family.init_cache(model.config, 1, vericache.capacity_for(ids.size, n, args.draft_len), model.cache_dtype)
     with progress_bar(ids.size, "prefill") as bar:
-        logits, full = steps.prefill(model.params, model.config, full, ids, on_chunk=lambda d: bar.update(d - bar.n))
+        logits, full = steps.prefill(model, full, ids, on_chunk=lambda d: bar.update(d - bar.n))
     first = sampling.select_tokens(logits[None, None, :], jnp.asarray([[ids.size]], jnp.int32),
                                    jnp.asarray([args.seed], jnp.int32), 0.0)[0]
     kw = dict(compressor=args.compressor, draft_len=args.draft_len, offload=args.offload, seed=args.seed)
@@ -174,21 +175,6 @@ def _decode_vericache(model, ids, args, stream: _Stream):
     return out, {**stats, "warmup_s": round(warm_s, 3)}
 
 
-def _decode_family(model, ids, args):
-    """Models with their own family API (DeepSeek-V4): plain greedy or that family's VeriCache, no mesh/compare."""
-    import kvjax
-
-    if args.compare_full or args.tp * args.dp > 1 or args.offload:
-        raise CliError(f"--compare-full, --tp/--dp and --offload support the Llama family only, not "
-                       f"{model.config.family}")
-    if args.mode == "full":
-        return kvjax.generate(model, ids, max_new_tokens=args.new_tokens, stop_at_eos=False), {}
-    from kvjax.models.deepseek_v4 import draft as deepseek_v4_vericache
-
-    out, stats = deepseek_v4_vericache.generate_vericache(model, ids, args.new_tokens, x=args.draft_len)
-    return out, stats
-
-
 def cmd_generate(args) -> dict:
     import numpy as np
 
@@ -200,10 +186,7 @@ def cmd_generate(args) -> dict:
          f"prompt {ids.size} tokens, generating {args.new_tokens} ({args.mode})")
     stream = _Stream(model.tokenizer, enabled=not args.json_stdout)
     t0 = time.perf_counter()
-    if getattr(model, "family_api", None) is not None:  # DeepSeek-V4: its own decoders, text at the end
-        out, stats = _decode_family(model, ids, args)
-        stream.add(out)
-    elif args.mode == "full":
+    if args.mode == "full":
         out, stats = _decode_full(model, ids, args.new_tokens, stream, warmup=args.warmup)
     else:
         out, stats = _decode_vericache(model, ids, args, stream)
@@ -222,17 +205,16 @@ def _full_cache_tokens_per_s(model, ids, n: int) -> float:
     import jax
     import jax.numpy as jnp
 
-    from kvjax.models.llama.cache import init_cache
     from kvjax.cache.capacity import pick_capacity
     from kvjax.decode import steps
 
-    cache = init_cache(model.config, 1, pick_capacity(ids.size + n + 2))
-    logits, cache = steps.prefill(model.params, model.config, cache, ids)
+    cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + n + 2), model.cache_dtype)
+    logits, cache = steps.prefill(model, cache, ids)
     first = jnp.argmax(logits).astype(jnp.int32)[None]
     warm = jax.tree.map(jnp.copy, cache)
-    jax.block_until_ready(steps.greedy_decode(model.params, model.config, warm, first, num_steps=n)[0])
+    jax.block_until_ready(_decode(model, warm, first, n)[0])
     t0 = time.perf_counter()
-    jax.block_until_ready(steps.greedy_decode(model.params, model.config, cache, first, num_steps=n)[0])
+    jax.block_until_ready(_decode(model, cache, first, n)[0])
     return n / (time.perf_counter() - t0)
 
 

@@ -8,6 +8,9 @@ from kvjax.compress.snapkv import SnapKV
 from kvjax.compress.streaming import StreamingLLM
 
 
+COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant")
+
+
 def make_compressor(name: str, **kw) -> Compressor:
     """'streaming' | 'snapkv' | 'kvzip' | 'kivi2' | 'kivi4' | 'dropquant' -> a compressor (kw: its fields)."""
     if name in ("kivi2", "kivi4"):
@@ -19,4 +22,4 @@ def make_compressor(name: str, **kw) -> Compressor:
     return table[name](**kw)
 
 
-__all__ = ["Compressor", "DropQuantize", "KIVI", "KVzipStyle", "SnapKV", "StreamingLLM", "make_compressor"]
+__all__ = ["Compressor", "DropQuantize", "KIVI", "KVzipStyle", "SnapKV", "StreamingLLM", "COMPRESSORS", "make_compressor"]

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from kvjax.cache.dense import ModelCache, WindowKV
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.attention import MASK_VALUE, visible
-from kvjax.models.layers import gated_mlp, rms_norm
-from kvjax.models.llama import project_qkv
+from kvjax.models.llama.layers import decoder_stack
 
 
 def _attend_with_probs(q, k_c, v_c, pos_c, k_n, v_n, pos_n, q_pos, window):
@@ -49,13 +48,10 @@ def attention_received(params, config: ModelConfig, cache: ModelCache, tokens: j
         limit: i32[B] cache slots with position >= limit are invisible (SnapKV re-reads its own window).
         reduce: "mean" or "max" over the T queries.
     """
-    B, T = tokens.shape
-    x = params["embed"][tokens]
     qpos = jnp.maximum(positions, 0)
-    scores = []
-    for layer, form in zip(params["layers"], cache.layers):
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = project_qkv(config, layer, h, qpos)
+    valid = (positions >= 0)[:, None, :, None]
+
+    def attend(i, form, q, k, v):
         if isinstance(form, WindowKV):
             pos_c, window = form.slot_positions(), form.window
         else:
@@ -63,15 +59,11 @@ def attention_received(params, config: ModelConfig, cache: ModelCache, tokens: j
         pos_c = jnp.where(pos_c < limit[:, None], pos_c, -1)
         out, p = _attend_with_probs(q, form.k, form.v, pos_c, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
                                     positions, qpos, window)
-        x = x + out.reshape(B, T, -1) @ layer["wo"]
-        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
         if isinstance(form, WindowKV):
-            scores.append(None)
-            continue
-        valid = (positions >= 0)[:, None, :, None]
+            return out, form, None
         if reduce == "max":
-            scores.append(jnp.max(jnp.where(valid, p, 0.0), axis=2))
-        else:
-            scores.append(jnp.sum(jnp.where(valid, p, 0.0), axis=2) / jnp.maximum(jnp.sum(valid, axis=2), 1))
+            return out, form, jnp.max(jnp.where(valid, p, 0.0), axis=2)
+        return out, form, jnp.sum(jnp.where(valid, p, 0.0), axis=2) / jnp.maximum(jnp.sum(valid, axis=2), 1)
+
+    _, _, scores = decoder_stack(params, config, tokens, qpos, cache.layers, attend)
     return tuple(scores)

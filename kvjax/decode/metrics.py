@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
+
+from kvjax.arrays import tree_nbytes
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ class RunMetrics:
     def param_bytes(self) -> int:
         if self.params is None:
             return 0
-        return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params)))
+        return tree_nbytes(self.params)
 
     def add_round(self, **kw) -> None:
         self.rounds.append(kw)

@@ -30,7 +30,3 @@ def fetch(host_tree, device=None):
     """Start host->device copies of every array, in tree (layer) order; returns device arrays without waiting."""
     _, dev = shardings(device)
     return jax.tree.map(lambda a: jax.device_put(a, dev), host_tree)
-
-
-def nbytes(tree) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))

@@ -1,7 +1,8 @@
-"""Jit-compiled prefill and decode steps (static shapes, donated caches).
+"""Jit-compiled prefill and decode steps for every model family (static shapes, donated caches).
 
-Each step is jitted once per (config, batch, chunk/draft length, capacity bucket); lengths and positions are arrays,
-so a decode run of any length and prompts of any length compile nothing after warm-up.
+Each step takes the family (`kvjax.families.Family`) and the attention implementation as static keyword arguments
+and is jitted once per (family, config, batch, chunk/draft length, capacity bucket); lengths and positions are
+arrays, so a decode run of any length and prompts of any length compile nothing after warm-up.
 """
 
 from __future__ import annotations
@@ -12,63 +13,81 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.dense import ModelCache
-from kvjax.models.llama.config import ModelConfig
-from kvjax.models import llama
+from kvjax.decode import sampling
+from kvjax.errors import CapacityError, InputError
 
 DEFAULT_CHUNK = 256
+SHORT_CHUNK = 64  # prompts up to this long run as one chunk of this width (one compiled shape for all of them)
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
-def prefill_chunk(params, config: ModelConfig, cache: ModelCache, tokens: jax.Array, n_valid: jax.Array):
-    """One prefill chunk. tokens: i32[B, C]; n_valid: i32[B]. Returns (logits of each row's last real token f32[B, V], cache)."""
-    logits, cache = llama.forward(params, config, cache, tokens, n_valid)
+def _forward(family, impl, params, config, cache, tokens, n_valid):
+    return family.forward(params, config, cache, tokens, n_valid, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("family", "impl"), donate_argnames="cache")
+def prefill_chunk(params, config, cache, tokens: jax.Array, n_valid: jax.Array, *, family, impl: str):
+    """One prefill chunk. tokens: i32[B, C]; n_valid: i32[B]. Returns (logits of each row's last real token f32[B, V],
+    all-row logits f32[B, C, V], cache)."""
+    logits, cache = _forward(family, impl, params, config, cache, tokens, n_valid)
     last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], logits, cache
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
-def forward_step(params, config: ModelConfig, cache: ModelCache, tokens: jax.Array, n_valid: jax.Array):
-    """All-row logits for `T` new tokens (the multi-token verify shape). Returns (logits f32[B, T, V], cache)."""
-    return llama.forward(params, config, cache, tokens, n_valid)
+@functools.partial(jax.jit, static_argnames=("family", "impl"), donate_argnames="cache")
+def forward_step(params, config, cache, tokens: jax.Array, n_valid: jax.Array, *, family, impl: str):
+    """All-row logits for `T` new tokens through the family's plain forward. Returns (logits f32[B, T, V], cache)."""
+    return _forward(family, impl, params, config, cache, tokens, n_valid)
 
 
-def prefill(params, config: ModelConfig, cache: ModelCache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK,
-            on_chunk=None):
+def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_chunk=None, all_logits: bool = False):
     """Prefill one prompt (batch 1) in fixed-size chunks so no `T x T` score matrix is ever built.
 
     Args:
+        model: a `kvjax.Model`.
         prompt: i32[T] token ids.
-        chunk: static chunk length (the last chunk is padded).
+        chunk: static chunk length (the last chunk is padded); prompts of at most SHORT_CHUNK tokens use one chunk of
+            SHORT_CHUNK.
         on_chunk: optional callback(tokens_done) for progress bars.
+        all_logits: also return every prompt row's logits f32[T, V].
 
     Returns:
-        (logits f32[V] at the last prompt token, cache).
+        (logits f32[V] at the last prompt token, cache) — or (logits f32[T, V], cache) with `all_logits`.
     """
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
+        raise InputError(f"prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}")
     T = prompt.size
-    if T > cache.capacity - int(cache.length[0]):
-        raise ValueError(f"prompt of {T} tokens does not fit the cache ({cache.capacity} slots, "
-                         f"{int(cache.length[0])} used)")
-    logits = None
+    used = int(cache.length[0])
+    if T > cache.capacity - used:
+        raise CapacityError(f"prompt of {T} tokens does not fit the cache ({cache.capacity} slots, {used} used)")
+    if T <= SHORT_CHUNK and used == 0:
+        chunk = min(chunk, SHORT_CHUNK)
+    last, rows = None, []
     for start in range(0, T, chunk):
         part = prompt[start:start + chunk]
         buf = np.zeros((1, chunk), np.int32)
         buf[0, :part.size] = part
-        logits, cache = prefill_chunk(params, config, cache, jnp.asarray(buf), jnp.asarray([part.size], jnp.int32))
+        last, lg, cache = prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
+                                        jnp.asarray([part.size], jnp.int32), family=model.family,
+                                        impl=model.attention)
+        if all_logits:
+            rows.append(np.asarray(lg[0, :part.size]))
         if on_chunk is not None:
             on_chunk(start + part.size)
-    return logits[0], cache
+    if all_logits:
+        return np.concatenate(rows, axis=0), cache
+    return last[0], cache
 
 
-def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
-    """`num_steps` one-token greedy steps in one `lax.fori_loop` (call inside a jitted function).
+def decode_loop(forward, cache, first: jax.Array, start: jax.Array, num_steps: int, seed: jax.Array,
+                temperature: float):
+    """`num_steps` one-token steps in one `lax.fori_loop` (call inside a jitted function).
 
     Args:
-        forward: `(cache, tokens i32[B, 1], n_valid i32[B]) -> (logits f32[B, 1, V], cache)` for any model family.
+        forward: `(cache, tokens i32[B, 1], n_valid i32[B]) -> (logits f32[B, 1, V], cache)` for any family.
         first: i32[B] the token to feed first (already emitted, not yet in the cache).
+        start: i32[B] absolute position of `first` (the produced tokens take start + 1, start + 2, ...).
+        seed: i32[B] sampling seeds; temperature: static, 0 = greedy (see `sampling.select_tokens`).
 
     Returns:
         (i32[B, num_steps] the tokens produced after `first`, cache).
@@ -79,7 +98,7 @@ def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
     def body(i, carry):
         tok, cache, out = carry
         logits, cache = forward(cache, tok[:, None], ones)
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        nxt = sampling.select_tokens(logits, (start + 1 + i)[:, None], seed, temperature)[:, 0]
         return nxt, cache, out.at[:, i].set(nxt)
 
     out = jnp.zeros((B, num_steps), jnp.int32)
@@ -87,17 +106,27 @@ def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
     return out, cache
 
 
-@functools.partial(jax.jit, static_argnames="num_steps", donate_argnames="cache")
-def greedy_decode(params, config: ModelConfig, cache: ModelCache, first: jax.Array, *, num_steps: int):
-    """Plain full-cache greedy decoding: `num_steps` one-token steps inside one `lax.fori_loop`.
+def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
+    """`decode_loop` with argmax selection (positions and seeds unused)."""
+    B = first.shape[0]
+    z = jnp.zeros((B,), jnp.int32)
+    return decode_loop(forward, cache, first, z, num_steps, z, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("num_steps", "temperature", "family", "impl"), donate_argnames="cache")
+def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_steps: int, temperature: float = 0.0,
+           family, impl: str):
+    """Plain full-cache decoding: `num_steps` one-token steps inside one `lax.fori_loop`.
 
     Args:
-        first: i32[B] the token to feed first (already emitted, not yet in the cache).
+        first: i32[B] the token to feed first (already emitted, not yet in the cache; its position is cache.length).
+        seed: i32[B] sampling seeds (unused when greedy).
 
     Returns:
         (i32[B, num_steps] the tokens produced after `first`, cache).
     """
-    return greedy_loop(lambda c, t, n: llama.forward(params, config, c, t, n), cache, first, num_steps)
+    fwd = functools.partial(_forward, family, impl, params, config)
+    return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature)
 
 
 def truncate_at_eos(tokens: np.ndarray, eos_token_ids) -> np.ndarray:

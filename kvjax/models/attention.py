@@ -152,13 +152,35 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
 
 
+def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None):
+    """`attend` without the final division: un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])`.
+
+    The XLA form of `pallas_kernels.attend(..., return_stats=True)` (same statistics, `combine`-able across parts),
+    with the einsum output order XLA:CPU runs fast (see `attend`).
+    """
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    G = N // K
+    scale = D**-0.5 if scale is None else scale
+    qg = q.reshape(B, T, K, G, D)
+    s = jnp.einsum("BTKGD,BKSD->BKGTS", qg, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    mask = visible(q_pos, k_pos, window)[:, :, None]
+    s = jnp.where(mask, s, MASK_VALUE)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("BKGTS,BKSD->BKGTD", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    to_q = lambda a: jnp.transpose(a, (0, 3, 1, 2, 4)).reshape(B, T, N, a.shape[-1])  # noqa: E731
+    return to_q(o), to_q(m)[..., 0], to_q(l)[..., 0]
+
+
 def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None = None, scale: float | None = None,
                     implementation: str | None = None) -> jax.Array:
     """Attention over a cache held in several parts (e.g. a draft cache's compressed prompt + its recent ring, or a
     quantized bulk + full-precision recent tokens) as if they were one, without concatenating them.
 
-    Each part yields an un-normalised `(o, m, l)` (kernel 0 with `return_stats=True`); `pallas_kernels.combine`
-    merges them and `finalize` normalises: the same arithmetic as split-K.
+    Each part yields an un-normalised `(o, m, l)` (`attend_stats` on XLA, kernel 0 with `return_stats=True`
+    otherwise); `pallas_kernels.combine` merges them and `finalize` normalises: the same arithmetic as split-K.
 
     Args:
         q: [B, T, N, D]; parts: sequence of (k [B, K, S_i, D], v [B, K, S_i, D], pos i32[B, S_i] or [B, K, S_i]);
@@ -168,9 +190,15 @@ def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None
         [B, T, N, D] in q's dtype.
     """
     impl = pallas_kernels.resolve(implementation)
-    stats = [pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
-                                   return_stats=True) for k, v, pos in parts]
-    o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
+    if impl == "xla":
+        stats = [attend_stats(q, k, v, q_pos, pos, window=window, scale=scale) for k, v, pos in parts]
+    else:
+        stats = [pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
+                                       return_stats=True) for k, v, pos in parts]
+    if len(stats) == 1:
+        o, m, l = stats[0]
+    else:
+        o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
     return pallas_kernels.finalize(o, m, l).astype(q.dtype)
 
 
@@ -183,3 +211,22 @@ def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Ar
     if impl == "xla":
         return default_attention
     return functools.partial(attention, implementation=impl)
+
+
+def canonical_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None, implementation: str | None = None):
+    """`attention` with every sliding-window key first moved to slot `position % S`.
+
+    The verify shape's attention (see `kvjax.models.llama.verify`): a sliding layer attends over concat(ring, new
+    block), where a key sits in the block in one computation and in the ring in another; scattering the `W + T` keys
+    to slot `position % (W + T)` (W + T consecutive positions never collide) puts every key at the same slot in both,
+    so rows agree bit for bit. Full-attention keys already sit at slot == position.
+    """
+    if window is None:
+        return attention(q, k, v, q_pos, k_pos, window=None, scale=scale, implementation=implementation)
+    B, K, S, D = k.shape
+    slot = jnp.where(k_pos >= 0, jnp.mod(k_pos, S), S)  # [B, S]; empty -> dropped
+    b = jnp.arange(B)[:, None]
+    kc = jnp.zeros_like(k).at[b, :, slot].set(jnp.swapaxes(k, 1, 2), mode="drop")
+    vc = jnp.zeros_like(v).at[b, :, slot].set(jnp.swapaxes(v, 1, 2), mode="drop")
+    pc = jnp.full((B, S), -1, jnp.int32).at[b, slot].set(k_pos, mode="drop")
+    return attention(q, kc, vc, q_pos, pc, window=window, scale=scale, implementation=implementation)

@@ -85,8 +85,9 @@ def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespa
             stop = min(end, start + chunk)
             buf = np.zeros((1, chunk), np.int32)
             buf[0, : stop - start] = prompt[start:stop]
-            logits, cache = forms.prefill_chunk(model.params, cache, jnp.asarray(buf),
-                                                jnp.asarray([stop - start], jnp.int32))
+            logits, _, cache = steps.prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
+                                                   jnp.asarray([stop - start], jnp.int32), family=model.family,
+                                                   impl=model.attention)
             start = stop
         if want_snap and end % P == 0 and end > b:
             snaps[end] = forms.snapshot(cache)
@@ -111,7 +112,8 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
     first = jnp.argmax(last).astype(jnp.int32)[None]
     toks = [int(first[0])]
     if max_new_tokens > 1:
-        rest, cache = prefix_cache.forms.greedy_decode(model.params, cache, first, num_steps=max_new_tokens - 1)
+        rest, cache = steps.decode(model.params, model.config, cache, first, jnp.zeros((1,), jnp.int32),
+                                   num_steps=max_new_tokens - 1, family=model.family, impl=model.attention)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)
     if stop_at_eos:

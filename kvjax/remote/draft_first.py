@@ -31,10 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.dense import ModelCache
-from kvjax.models.llama.cache import init_cache
 from kvjax.errors import CorruptEntry
-from kvjax.compress import Compressor, make_compressor
-from kvjax.decode import rounds as draft_steps, steps
+from kvjax.compress import Compressor
+from kvjax.decode import draft as draft_mod
+from kvjax.decode import steps
+from kvjax.decode import verify as verify_mod
+from kvjax.decode.reference import reference_step
 from kvjax.decode import vericache as vc
 from kvjax.remote import prefix_entry as pe
 from kvjax.remote.store_client import RemoteStore
@@ -62,13 +64,13 @@ def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming",
     ns = namespace or pe.prefix_namespace(model)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     capacity = vc.capacity_for(prompt.size, max_new_tokens, max_draft)
-    full = init_cache(model.config, 1, capacity, pe.kv_dtype(model))
-    logits, full = steps.prefill(model.params, model.config, full, prompt)
+    full = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
+    logits, full = steps.prefill(model, full, prompt)
     body = pe.store_full(store, ns, prompt, logits, full)
     out = {"prefix": pe.prefix_key(ns, prompt), "drafts": [], "draft_bytes": {},
            "full_bytes": sum(r["nbytes"] for k, r in body["bundles"].items() if k != "head")}
     for comp, kw in drafts:
-        c = make_compressor(comp, **kw) if isinstance(comp, str) else comp
+        c = model.family.make_compressor(comp, **kw)
         dcache = c(model.params, model.config, full, prompt, recent_slots=recent_slots)
         ident = pe.draft_identity(c, recent_slots)
         d = pe.store_draft(store, ns, prompt, dcache, ident)
@@ -108,12 +110,14 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
     if M == 1:
         return np.asarray(out, np.int32), {}
     if decoder == "plain":
-        rest, _ = steps.greedy_decode(model.params, model.config, full, first, num_steps=M - 1)
+        rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
+                               family=model.family, impl=model.attention)
         return np.asarray(out + [int(t) for t in np.asarray(rest[0])], np.int32), {}
     if decoder == "reference":
         tok, seed = first, jnp.zeros((1,), jnp.int32)
         for _ in range(M - 1):
-            tok, _, full = draft_steps.reference_step(model.params, model.config, full, tok, seed, x=x)
+            tok, _, full = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
+                                          impl=model.attention)
             out.append(int(tok[0]))
         return np.asarray(out, np.int32), {}
     if decoder.startswith("vericache"):
@@ -239,11 +243,11 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     t0 = time.perf_counter()
     params, config = model.params, model.config
     M, x = max_new_tokens, draft_len
-    draft_steps.check_draft_len(config, x)
+    vc.check_draft_len(model, x)
     ns = namespace or pe.prefix_namespace(model)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
-    comp = make_compressor(compressor, **(compressor_kw or {})) if isinstance(compressor, str) else compressor
+    comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []
     body = _find_full(model, store, ns, prompt, reasons)
@@ -283,7 +287,8 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     last = first
     t_ahead = time.perf_counter()
     while len(queue) + x <= ahead_cap and len(queue) < M - 1 and not stream.done.is_set():
-        drafts, _, dcache = draft_steps.draft_step(params, config, dcache, last, seed, x=x)
+        drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
+                                                 impl=model.attention)
         d = np.asarray(drafts[0])
         queue.extend(int(t) for t in d)
         last = drafts[:, -1]
@@ -309,9 +314,11 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             drafts = jnp.asarray(np.asarray(queue[:x], np.int32)[None])
         else:
             queue = []
-            drafts, _, dcache = draft_steps.draft_step(params, config, dcache, last, seed, x=x)
-        emitted, n, full, dcache = draft_steps.verify_step(params, config, full, dcache, last, drafts,
-                                                           jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed)
+            drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
+                                                     impl=model.attention)
+        emitted, n, full, dcache = verify_mod.verify_step(params, config, full, dcache, last, drafts,
+                                                          jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
+                                                          family=model.family, impl=model.attention)
         n = int(n[0])
         new = [int(t) for t in np.asarray(emitted[0, :n + 1])]
         out.extend(new)

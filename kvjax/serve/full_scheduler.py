@@ -1,7 +1,7 @@
 """Full-cache batched decoding under the same device-memory budget: the baseline the VeriCache scheduler is against.
 
 As many requests as the budget holds decode together, each in a slot of one batched full cache (static slots, one
-capacity bucket), with the plain one-token forward (`scheduler_steps.full_batch_step`, the fastest full-cache
+capacity bucket), with the plain one-token forward (`batch_steps.full_batch_step`, the fastest full-cache
 decoder; it may differ from the verify-shape reference in the last float bits, so its identity is measured, not
 assumed). Continuous batching: a finished request's slot is refilled from the queue. Prefilled requests (host-resident
 full caches) are copied into their slot one layer at a time, so admission needs only one layer of scratch; requests
@@ -10,18 +10,18 @@ without a prefill are prefilled on the device, which needs one whole full cache 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.arrays import tree_nbytes
 from kvjax.decode import offload as offl
-from kvjax.cache.dense import ModelCache
-from kvjax.models.llama.cache import init_cache
-from kvjax.serve import batch_steps as ss
 from kvjax.decode import vericache as vc
-from kvjax.serve.vericache_scheduler import Request, SchedulerResult
+from kvjax.serve import batch_steps as ss
+from kvjax.serve.requests import Request, SchedulerResult
 from kvjax.errors import BudgetError
 from kvjax.serve.memory import DeviceMemory, device_stats_peak
 
@@ -30,14 +30,16 @@ class FullCacheScheduler:
     """Batched full-cache decoding of many requests within `budget_bytes` (weights excluded).
 
     Args:
-        model: a `kvjax.Model` (Llama family).
+        model: a `kvjax.Model` of any family.
         budget_bytes: device bytes for the batched full cache plus admission scratch.
         draft_len: only sets the cache capacity (`vericache.capacity_for`), so the caches match VeriCache's.
         max_slots: upper bound on the batch.
     """
 
-    def __init__(self, model, *, budget_bytes: int, draft_len: int = 8, max_slots: int = 64):
+    def __init__(self, model, *, budget_bytes: int, draft_len: int = 8, max_slots: int = 64,
+                 temperature: float = 0.0):
         self.model = model
+        self.temperature = temperature
         self.budget = int(budget_bytes)
         self.x = draft_len
         self.max_slots = max_slots
@@ -49,10 +51,10 @@ class FullCacheScheduler:
         if len(caps) != 1:
             raise ValueError(f"full-cache batching needs one capacity bucket, got {sorted(caps)}")
         cap = caps.pop()
-        dtype = vc._dtype(self.model)
-        one = jax.eval_shape(lambda: init_cache(cfg, 1, cap, dtype))
-        per = tree_bytes_abstract(one.layers)
-        scratch = max(tree_bytes_abstract(l) for l in one.layers)
+        fam, dtype = self.model.family, self.model.cache_dtype
+        one = jax.eval_shape(lambda: fam.init_cache(cfg, 1, cap, dtype))
+        per = tree_nbytes(one.layers)
+        scratch = max(tree_nbytes(l) for l in one.layers)
         if any(r.prefilled is None for r in requests):
             scratch = per  # a device prefill holds a whole full cache
         n = (self.budget - scratch) // per
@@ -69,12 +71,13 @@ class FullCacheScheduler:
         mem = DeviceMemory(self.budget)
         t0 = time.perf_counter()
         mem.reserve(n * per + scratch, "full-cache batch and admission scratch")
-        cache = init_cache(cfg, n, cap, vc._dtype(self.model))
+        cache = self.model.family.init_cache(cfg, n, cap, self.model.cache_dtype)
         queue = sorted(enumerate(requests), key=lambda p: (p[1].arrival, p[0]))
         live: dict[int, tuple[int, Request, list]] = {}
         done: dict[int, list] = {}
         tok = np.zeros((n,), np.int32)
         active = np.zeros((n,), np.int32)
+        seeds = np.zeros((n,), np.int32)
         emitted, it, steps, admit_s = 0, 0, 0, 0.0
         mem.sample(emitted)
         while queue or live:
@@ -87,13 +90,15 @@ class FullCacheScheduler:
                 cache, first = self._admit(cache, req, s, mem, emitted)
                 live[s] = (idx, req, [int(np.asarray(first)[0])])
                 emitted += 1
-                tok[s], active[s] = live[s][2][0], 1
+                tok[s], active[s], seeds[s] = live[s][2][0], 1, req.seed
                 if req.max_new_tokens <= 1:
                     done[idx] = live.pop(s)[2]
                     active[s] = 0
                 admit_s += time.perf_counter() - ta
             if live:
-                nxt, cache = ss.full_batch_step(params, cfg, cache, tok.copy(), active.copy())
+                nxt, cache = ss.full_batch_step(params, cfg, cache, tok.copy(), active.copy(), seeds.copy(),
+                                                temperature=self.temperature, family=self.model.family,
+                                                impl=self.model.attention)
                 mem.sample(emitted)
                 nxt = np.asarray(nxt)
                 steps += 1
@@ -114,13 +119,14 @@ class FullCacheScheduler:
             device_peak_bytes=device_stats_peak(), timeline=mem.timeline,
             stats=dict(slots=n, steps=steps, iterations=it, admit_s=admit_s, full_bytes=per))
 
-    def _admit(self, cache: ModelCache, req: Request, s: int, mem: DeviceMemory, emitted: int):
+    def _admit(self, cache, req: Request, s: int, mem: DeviceMemory, emitted: int):
         """Write a request's prefilled full cache into slot `s`, layer by layer (or prefill it on the device)."""
         slot = np.int32(s)
         if req.prefilled is not None:
             full, first = req.prefilled
         else:
-            full, first = vc.prefill_for(self.model, req.prompt, req.max_new_tokens, max_draft=self.x)
+            full, first = vc.prefill_for(self.model, req.prompt, req.max_new_tokens, max_draft=self.x,
+                                         temperature=self.temperature, seed=req.seed)
         layers = list(cache.layers)
         for i, l in enumerate(full.layers):
             row = offl.fetch(l) if req.prefilled is not None else l  # one layer from host memory
@@ -130,12 +136,7 @@ class FullCacheScheduler:
             del row
         length = ss.put_layer_row(cache.length, jnp.asarray(np.asarray(full.length)), slot)
         del full
-        cache = ModelCache(layers=tuple(layers), length=length)
+        cache = dataclasses.replace(cache, layers=tuple(layers), length=length)
         jax.block_until_ready(cache)
         mem.sample(emitted)
         return cache, first
-
-
-def tree_bytes_abstract(tree) -> int:
-    """Bytes of a pytree of arrays or ShapeDtypeStructs."""
-    return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))

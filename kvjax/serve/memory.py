@@ -23,11 +23,6 @@ from kvjax.errors import BudgetError
 
 
 
-def tree_bytes(tree) -> int:
-    """Bytes of every array leaf of `tree`."""
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
-
-
 class DeviceMemory:
     """Budget accounting plus a measured timeline of live device bytes.
 

@@ -5,12 +5,12 @@ draft caches do. Each admitted request holds on the device a row of one static-s
 compressed prompt + recent ring) and a small tail (its decoded tokens' exact KV); its prompt's full KV lives in pinned
 host memory. One iteration of the scheduler:
 
-1. verify the requests that are due, each through the B = 1 offloaded verify step (`draft_steps.verify_offloaded`)
-   on its full cache, fetched beforehand; accepted tokens refresh its draft ring (`scheduler_steps.take_row/put_row`);
+1. verify the requests that are due, each through the B = 1 offloaded verify step (`decode.verify.verify_offloaded`)
+   on its full cache, fetched beforehand; accepted tokens refresh its draft state (`batch_steps.take_row/put_row`);
 2. admit waiting requests that fit the budget and a free slot (continuous batching; requests arrive at iterations);
 3. start the host->device copies of the full caches of the requests due next (asynchronous `jax.device_put`, at most
    `verify_slots` full caches on the device at once), then dispatch one batched draft call over all slots
-   (`scheduler_steps.draft_slots`, masked: slots waiting, empty or finished do not move). The copies run while the
+   (`batch_steps.draft_slots`, masked: slots waiting, empty or finished do not move). The copies run while the
    drafting does — the overlap VeriCache's staggering is for.
 
 Modes. "staggered": one drafted token per iteration, and each new request's rounds are offset from the others' so
@@ -29,7 +29,7 @@ of the time (scripts/bench_scheduler.py prints that bound), and the per-iteratio
 eats part of it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule is for accelerators, where
 drafting reads device memory while the copies use the interconnect.
 
-Budget (`scheduler_memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
+Budget (`kvjax.serve.memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
 batch (static slots of the first request's draft-cache shape) and the verification pool (`verify_slots` full caches
 plus one draft row of admission scratch) to fit `budget_bytes`. Requests that do not fit wait.
 """
@@ -43,81 +43,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.decode import offload as offl
+from kvjax.arrays import tree_nbytes
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
-from kvjax.cache.dense import DenseKV, WindowKV
-from kvjax.compress import Compressor, make_compressor
-from kvjax.decode import rounds as draft_steps
-from kvjax.serve import batch_steps as ss
+from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
-from kvjax.errors import BudgetError
-from kvjax.serve.memory import DeviceMemory, device_stats_peak, tree_bytes
+from kvjax.decode import verify as verify_mod
+from kvjax.errors import BudgetError, InputError
+from kvjax.serve import batch_steps as ss
+from kvjax.serve.memory import DeviceMemory, device_stats_peak
+from kvjax.serve.requests import Request, SchedulerResult
 
 MODES = ("staggered", "lockstep")
-
-
-@dataclasses.dataclass
-class Request:
-    """One decoding request.
-
-    Attributes:
-        prompt: i32[P] prompt token ids.
-        max_new_tokens: tokens to emit (no EOS stop).
-        arrival: scheduler iteration from which the request may be admitted.
-        seed: sampling seed (unused when greedy).
-        prefilled: optional (full ModelCache after prefill, first token i32[1]) from `prefill_request` (its arrays may
-            live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with the
-            run's temperature and this seed); None = the scheduler prefills on admission.
-    """
-
-    prompt: np.ndarray
-    max_new_tokens: int
-    arrival: int = 0
-    seed: int = 0
-    prefilled: tuple | None = None
-
-
-def prefill_request(model, prompt, max_new_tokens: int, *, draft_len: int, host: bool = True, seed: int = 0,
-                    temperature: float = 0.0) -> tuple:
-    """Prefill a prompt at the capacity VeriCache and its reference use: (full cache, first i32[1]).
-
-    With `host`, the cache is moved to pinned host memory (its device copy is freed).
-    """
-    full, first = vc.prefill_for(model, prompt, max_new_tokens, max_draft=draft_len, temperature=temperature,
-                                 seed=seed)
-    if host:
-        full = offl.to_host(full)
-        jax.block_until_ready(full)
-    return full, first
-
-
-@dataclasses.dataclass
-class SchedulerResult:
-    """Outputs and measurements of one scheduler run.
-
-    Attributes:
-        outputs: request index -> i32[max_new_tokens] tokens.
-        wall_s: seconds from start to the last token; tokens: tokens emitted; tokens_per_s: their ratio.
-        budget_bytes, peak_measured_bytes, peak_reserved_bytes: the device budget and the peaks (see
-            `scheduler_memory`); device_peak_bytes: the allocator's peak where the backend has one (GPU), else None.
-        timeline: (seconds, measured device bytes, reserved bytes, tokens emitted so far) samples.
-        stats: per-phase times and counts (mode dependent).
-    """
-
-    name: str
-    outputs: dict
-    wall_s: float
-    tokens: int
-    budget_bytes: int
-    peak_measured_bytes: int
-    peak_reserved_bytes: int
-    device_peak_bytes: int | None
-    timeline: list
-    stats: dict
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
 
 @dataclasses.dataclass
@@ -127,8 +63,8 @@ class _Live:
     idx: int
     req: Request
     slot: int
-    host_kv: tuple  # per layer (k, v) in pinned host memory, None for sliding layers
-    tail: tuple  # per layer: DenseKV of decoded tokens or the WindowKV ring (device)
+    host_kv: object  # the family's offloaded part of the full cache, in pinned host memory
+    tail: object  # the family's on-device part (decoded tokens' state, rings)
     length: int  # tokens in the full cache (prompt + emitted - 1)
     prompt_len: int
     tail_bytes: int
@@ -143,9 +79,9 @@ class VeriCacheScheduler:
     """Runs many requests with VeriCache under a device-memory budget (see the module docstring).
 
     Args:
-        model: a `kvjax.Model` (Llama family).
+        model: a `kvjax.Model` of any family with offload and draft caches.
         budget_bytes: device bytes for per-request state (weights excluded).
-        compressor: a `Compressor` or a name for `make_compressor`; compressor_kw its fields.
+        compressor: a draft maker or one of `model.family.compressors`; compressor_kw its fields.
         draft_len: x, drafts per round (static).
         mode: "staggered" or "lockstep".
         stagger: how a new request's rounds are offset in staggered mode: "delay" (hold it back up to x - 1
@@ -160,25 +96,27 @@ class VeriCacheScheduler:
         temperature: 0 = greedy, > 0 = position-keyed sampling (exact in the same sense).
     """
 
-    def __init__(self, model, *, budget_bytes: int, compressor: str | Compressor = "streaming",
+    def __init__(self, model, *, budget_bytes: int, compressor="streaming",
                  compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
                  draft_chunk: int = 1, max_slots: int = 16, verify_slots: int = 1, recent_slots: int | None = None,
                  tail_capacity: int | None = None, temperature: float = 0.0):
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InputError(f"mode must be one of {MODES}, got {mode!r}")
         if stagger not in ("delay", "shorten"):
-            raise ValueError(f"stagger must be 'delay' or 'shorten', got {stagger!r}")
+            raise InputError(f"stagger must be 'delay' or 'shorten', got {stagger!r}")
         if verify_slots < 1 or max_slots < 1:
-            raise ValueError(f"verify_slots and max_slots must be >= 1, got {verify_slots}, {max_slots}")
-        draft_steps.check_draft_len(model.config, draft_len)
+            raise InputError(f"verify_slots and max_slots must be >= 1, got {verify_slots}, {max_slots}")
+        vc.check_draft_len(model, draft_len)
+        for field in ("offload_split", "draft_split"):
+            model.family.require(field, "the VeriCache scheduler")
         self.model = model
         self.budget = int(budget_bytes)
-        self.comp = make_compressor(compressor, **(compressor_kw or {})) if isinstance(compressor, str) else compressor
+        self.comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
         self.x = draft_len
         self.mode = mode
         self.stagger = stagger
         if not 1 <= draft_chunk <= draft_len:
-            raise ValueError(f"draft_chunk must be in 1..draft_len={draft_len}, got {draft_chunk}")
+            raise InputError(f"draft_chunk must be in 1..draft_len={draft_len}, got {draft_chunk}")
         self.chunk = draft_chunk if mode == "staggered" else draft_len
         self.max_slots = max_slots
         self.verify_slots = verify_slots
@@ -205,7 +143,7 @@ class VeriCacheScheduler:
             it += 1
         wall = time.perf_counter() - t0
         self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x, draft_chunk=self.chunk,
-                          compressor=self.comp.name, verify_slots=self.verify_slots,
+                          compressor=getattr(self.comp, "name", type(self.comp).__name__), verify_slots=self.verify_slots,
                           mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
                           verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
                           verifies_per_iteration=list(self.verifies_per_iteration))
@@ -277,7 +215,8 @@ class VeriCacheScheduler:
         # may be used in place, and these host arrays are updated while the call may still be running.
         self.batch, self.drafts, _ = ss.draft_slots(
             self.model.params, self.model.config, b, self.last.copy(), d, self.count.copy(),
-            limit, self.seeds.copy(), steps=steps, temperature=self.temperature)
+            limit, self.seeds.copy(), steps=steps, temperature=self.temperature, family=self.model.family,
+            impl=self.model.attention)
         moving = self.count < limit
         self.count = np.where(moving, np.minimum(self.count + steps, limit), self.count).astype(np.int32)
         self.stats["draft_calls"] += 1
@@ -323,12 +262,13 @@ class VeriCacheScheduler:
     def _verify_one(self, s: int, fetched) -> None:
         r = self.live[s]
         cfg, params = self.model.config, self.model.params
-        row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s))
-        emitted, n, tail, row, scratch = draft_steps.verify_offloaded(
+        fam = self.model.family
+        row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s), family=fam)
+        emitted, n, tail, row, scratch = verify_mod.verify_offloaded(
             params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
             row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
-            temperature=self.temperature)
-        self.batch = ss.put_row(self.batch, row, np.int32(s))
+            temperature=self.temperature, family=fam, impl=self.model.attention)
+        self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
         del scratch
         new = np.asarray(emitted[0, :n_host + 1])
@@ -368,14 +308,18 @@ class VeriCacheScheduler:
                 return
             self.queue.pop(0)
 
-    def _full_bytes(self, req) -> int:
-        cfg = self.model.config
-        if req.prefilled is not None:
-            return tree_bytes([(l.k, l.v) for l in req.prefilled[0].layers if not isinstance(l, WindowKV)])
+    def _parts_abstract(self, req):
+        """Abstract (host part, device tail) of a request's offloaded full cache: shapes only, nothing allocated."""
+        fam, cfg = self.model.family, self.model.config
         cap = vc.capacity_for(len(req.prompt), req.max_new_tokens, self.x)
-        item = 2 if getattr(self.model, "dtype", "f32") in ("bf16", "bfloat16") else 4
-        n_full = sum(t == "full_attention" for t in cfg.layer_types)
-        return 2 * n_full * cfg.num_kv_heads * cap * cfg.head_dim * item
+        tail_cap = self._tail_cap(req)
+        return jax.eval_shape(lambda: fam.offload_split(fam.init_cache(cfg, 1, cap, self.model.cache_dtype),
+                                                        tail_cap))
+
+    def _full_bytes(self, req) -> int:
+        if req.prefilled is not None:
+            return tree_nbytes(jax.eval_shape(lambda: self.model.family.offload_split(req.prefilled[0], 1))[0])
+        return tree_nbytes(self._parts_abstract(req)[0])
 
     def _tail_cap(self, req) -> int:
         need = req.max_new_tokens + self.x + 2
@@ -412,21 +356,18 @@ class VeriCacheScheduler:
         R = self.recent_slots or max(64, req.max_new_tokens + self.x + 2)
         row = self.comp(self.model.params, cfg, full, prompt, recent_slots=max(R, self.x + 1))
         self.mem.sample(self.emitted)
-        tail_cap = self._tail_cap(req)
-        tail = tuple(l if isinstance(l, WindowKV) else
-                     DenseKV(k=jnp.zeros(l.k.shape[:2] + (tail_cap,) + l.k.shape[3:], l.k.dtype),
-                             v=jnp.zeros(l.v.shape[:2] + (tail_cap,) + l.v.shape[3:], l.v.dtype),
-                             length=jnp.zeros((1,), jnp.int32)) for l in full.layers)
-        tail_bytes = tree_bytes(tail)
+        host_part, tail = self.model.family.offload_split(full, self._tail_cap(req))
+        tail_bytes = tree_nbytes(tail)
         if self.batch is None:
             self._make_batch(row, F, tail_bytes, n_requests=len(self.queue))
         if not self.mem.fits(tail_bytes):
             return False  # (only reachable for later admissions; their full cache copy is dropped below)
         self.mem.reserve(tail_bytes, f"request {idx} tail")
         if req.prefilled is not None:
-            host_kv = tuple(None if isinstance(l, WindowKV) else (l.k, l.v) for l in req.prefilled[0].layers)
+            host_kv = self.model.family.offload_split(req.prefilled[0], 1)[0]  # already in host memory
         else:
-            host_kv = offl.to_host(tuple(None if isinstance(l, WindowKV) else (l.k, l.v) for l in full.layers))
+            host_kv = offl.to_host(host_part)
+        del host_part
         prompt_len = int(full.length[0])
         del full
         s = next(i for i in range(self.n_slots) if i not in self.live)
@@ -452,14 +393,11 @@ class VeriCacheScheduler:
         return True
 
     def _tail_bytes_estimate(self, req) -> int:
-        cfg = self.model.config
-        item = 2 if getattr(self.model, "dtype", "f32") in ("bf16", "bfloat16") else 4
-        n_full = sum(t == "full_attention" for t in cfg.layer_types)
-        return 2 * n_full * cfg.num_kv_heads * self._tail_cap(req) * cfg.head_dim * item
+        return tree_nbytes(self._parts_abstract(req)[1])
 
     def _make_batch(self, row, F: int, tail_bytes: int, n_requests: int) -> None:
         """Size and allocate the slot batch and the verification pool from the first request's shapes."""
-        self.row_bytes = tree_bytes(row)
+        self.row_bytes = tree_nbytes(row)
         self.pool_full = F
         pool = self.verify_slots * F + self.row_bytes  # + one draft row of admission scratch
         n = (self.budget - pool) // (self.row_bytes + tail_bytes)

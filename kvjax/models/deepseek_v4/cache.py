@@ -43,3 +43,18 @@ def init_cache(config: DeepseekV4Config, batch: int, capacity: int, dtype=jnp.fl
         layers.append(LayerState(window=window, compressed=comp, tail=_tail(batch, m, D, kind == CSA, dtype),
                                  indexer=indexer))
     return HybridCache(layers=tuple(layers), length=zeros_i())
+
+
+def read_bytes(cache: HybridCache, length: int) -> int:
+    """Bytes one forward over a cache holding `length` tokens reads: every ring and tail whole, and the compressed
+    entries and indexer keys those tokens produced."""
+    total = 0
+    for st in cache.layers:
+        total += st.window.kv.size * st.window.kv.dtype.itemsize
+        if st.tail is not None:
+            total += sum(a.size * a.dtype.itemsize for a in (st.tail.kv, st.tail.gate))
+        for form in (st.compressed, None if st.indexer is None else st.indexer.keys):
+            if form is not None:
+                B, C, d = form.entries.shape
+                total += B * min(int(length) // form.rate, C) * d * form.entries.dtype.itemsize
+    return int(total)

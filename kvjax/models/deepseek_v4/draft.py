@@ -1,56 +1,111 @@
-"""VeriCache (arXiv 2605.17613) on DeepSeek-V4: a lossy draft copy of the hybrid cache drafts, the full state verifies.
+"""DeepSeek-V4's draft cache for VeriCache: a lossy copy of the hybrid state, drafted from by the same forward.
 
-The draft copy keeps the small forms exact (SWA rings, compressor and indexer tails) and makes the two growing forms
-lossy: compressed KV entries and the indexer's compressed keys are dropped (all but `keep_sink` oldest and
-`keep_recent` newest entries per layer) and/or quantized (symmetric per-entry absmax, `bits` bits). Dropped entries are
-invisible to the draft's attention and indexer (`CompressedKV.keep`); entries the drafter completes while drafting are
-exact and kept.
+The draft keeps the small forms exact (SWA rings, compressor and indexer tails) and makes the two growing forms lossy:
+compressed KV entries and the indexer's compressed keys of the prompt are dropped (all but `sinks` oldest and the
+newest entries, so that `1 / ratio` of them stay) and/or quantized (symmetric per-entry absmax, `bits` bits).
+Dropped entries are invisible to the draft's attention and indexer (`CompressedKV.keep`); entries the model completes
+after the prompt are exact and kept.
 
-A round: rebuild the draft from the full cache (`make_draft`), draft `x` tokens with one-token steps inside one jit
-call, then run the `x + 1` block [last token, drafts] through the *full* cache: accept drafts up to the first mismatch
-with the full cache's argmax, emit the full cache's token there (or the bonus token when all match). The hybrid forms
-cannot be rolled back by a length update (the ring overwrote old slots, tails absorbed rejected tokens), so the state
-is committed by a second masked pass over the same block with `n_valid = accepted + 1` from the pre-verify state: pure
-functions make that free of copies, and rows beyond `n_valid` never touch the state.
+After each verification `draft_commit` brings the draft up to date incrementally: the rings, tails and counts are
+taken from the committed full cache, and only the entries completed since the draft was last committed are copied
+(exact) — the prompt's lossy entries are never rebuilt.
 
-Limits: the draft stores dequantized values in the cache dtype and hides dropped entries with a mask, so its *compact*
-size is computed (`draft_bytes`), not allocated; the draft is rebuilt each round (a pass over the compressed entries).
+Limits: the draft stores dequantized values in the cache dtype and hides dropped entries with a mask, so its
+*compact* size (`HybridDraft.prompt_nbytes`) is what a packed store would hold, while the arrays it computes over
+keep the full cache's shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kvjax.cache.capacity import pick_capacity
 from kvjax.cache.hybrid import CompressedKV, HybridCache
-from kvjax.models.deepseek_v4.cache import init_cache
-from kvjax.models import deepseek_v4
-from kvjax.decode.steps import greedy_loop
-from kvjax.models.deepseek_v4.api_old import prefill
+from kvjax.models.deepseek_v4.config import DeepseekV4Config
+from kvjax.models.deepseek_v4.model import forward
+
+COMPRESSORS = ("streaming", "kivi4", "kivi2", "dropquant")
 
 
-@jax.tree_util.register_static
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DraftSpec:
-    """How the draft copy degrades compressed entries and indexer keys. bits=0: no quantization."""
+class HybridDraft:
+    """The draft cache of a DeepSeek-V4 request: a degraded `HybridCache` plus its compact byte count."""
 
-    keep_sink: int = 1
-    keep_recent: int = 4
+    cache: HybridCache
+    compact_bytes: int = dataclasses.field(metadata=dict(static=True))
+    ring_bytes: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def length(self) -> jax.Array:
+        return self.cache.length
+
+    def prompt_nbytes(self) -> int:
+        """Bytes of the lossy compressed prompt state (kept entries at `bits` bits plus one scale each)."""
+        return self.compact_bytes
+
+    def nbytes(self) -> int:
+        """Compact prompt state plus the exact rings and tails the drafter reads."""
+        return self.compact_bytes + self.ring_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryDraft:
+    """A V4 draft maker: drop (keep `sinks` + the newest entries, 1/ratio in all) and/or quantize to `bits`.
+
+    Attributes:
+        ratio: prompt entries / kept entries per layer when `drop`.
+        sinks: oldest entries always kept.
+        drop: drop entries; bits: 0 = no quantization, else 2..8.
+        name: the compressor's public name.
+    """
+
+    ratio: float = 4.0
+    sinks: int = 1
     drop: bool = True
-    bits: int = 4
+    bits: int = 0
+    name: str = "streaming"
+
+    def keep_recent(self, count: int) -> int:
+        return max(0, math.ceil(count / self.ratio) - self.sinks)
+
+    def __call__(self, params, config: DeepseekV4Config, full: HybridCache, prompt, *, recent_slots: int = 0):
+        """The draft of a prefilled prompt (`full` is not consumed)."""
+        del params, prompt, recent_slots
+        counts = [int(st.compressed.count[0]) if st.compressed is not None else 0 for st in full.layers]
+        recent = tuple(self.keep_recent(c) for c in counts)
+        cache = _degrade_cache(full, self, recent)
+        item = jnp.dtype(full.layers[0].window.kv.dtype).itemsize
+        compact = ring = 0
+        for st, c, r in zip(full.layers, counts, recent):
+            ring += int(st.window.kv.size) * item
+            for form in (st.compressed, None if st.indexer is None else st.indexer.keys):
+                if form is None:
+                    continue
+                d = form.entries.shape[-1]
+                kept = min(c, self.sinks + r) if self.drop else c
+                compact += kept * (d * self.bits // 8 + item) if self.bits else kept * d * item
+            if st.tail is not None:
+                ring += sum(int(a.size) * item for a in (st.tail.kv, st.tail.gate))
+        return HybridDraft(cache=cache, compact_bytes=compact, ring_bytes=ring)
 
 
-def _degrade(form: CompressedKV, spec: DraftSpec) -> CompressedKV:
+def make_compressor(name: str, **kw) -> EntryDraft:
+    """'streaming' (drop) | 'kivi4' / 'kivi2' (quantize) | 'dropquant' (drop + 4-bit) -> an EntryDraft."""
+    table = {"streaming": dict(drop=True, bits=0), "kivi4": dict(drop=False, bits=4),
+             "kivi2": dict(drop=False, bits=2), "dropquant": dict(drop=True, bits=4)}
+    return EntryDraft(**{**table[name], **kw, "name": name})
+
+
+def _degrade(form: CompressedKV, spec: EntryDraft, keep_recent: int) -> CompressedKV:
     C = form.entries.shape[1]
     c = jnp.arange(C)[None, :]
     keep = jnp.ones(form.entries.shape[:2], bool)
     if spec.drop:
-        keep = (c < spec.keep_sink) | (c >= form.count[:, None] - spec.keep_recent)
+        keep = (c < spec.sinks) | (c >= form.count[:, None] - keep_recent)
     entries = form.entries
     if spec.bits:
         e = entries.astype(jnp.float32)
@@ -61,83 +116,62 @@ def _degrade(form: CompressedKV, spec: DraftSpec) -> CompressedKV:
     return dataclasses.replace(form, entries=entries, keep=keep)
 
 
-@jax.jit
-def make_draft(full: HybridCache, spec: DraftSpec) -> HybridCache:
-    """The lossy draft copy of `full` (rings and tails exact; compressed entries and indexer keys degraded)."""
+def _degrade_cache(full: HybridCache, spec: EntryDraft, recent: tuple) -> HybridCache:
+    # copies throughout: the draft is donated to the draft step, the full cache must survive it
+    full = jax.tree.map(lambda a: jnp.array(a, copy=True), full)
     layers = []
-    for st in full.layers:
+    for st, r in zip(full.layers, recent):
         if st.compressed is not None:
-            st = dataclasses.replace(st, compressed=_degrade(st.compressed, spec))
+            st = dataclasses.replace(st, compressed=_degrade(st.compressed, spec, r))
         if st.indexer is not None:
-            st = dataclasses.replace(st, indexer=dataclasses.replace(st.indexer, keys=_degrade(st.indexer.keys, spec)))
+            st = dataclasses.replace(st, indexer=dataclasses.replace(st.indexer,
+                                                                     keys=_degrade(st.indexer.keys, spec, r)))
         layers.append(st)
     return dataclasses.replace(full, layers=tuple(layers))
 
 
-def draft_bytes(full: HybridCache, spec: DraftSpec, itemsize: int = 2) -> tuple[int, int]:
-    """(full, compact draft) bytes of the compressed entries + indexer keys held, batch row 0.
-
-    Draft: kept entries only, `bits` per element plus one `itemsize` scale per entry when quantized.
-    """
-    full_b = draft_b = 0
-    for st in full.layers:
-        for form in (st.compressed, None if st.indexer is None else st.indexer.keys):
-            if form is None:
-                continue
-            n, d = int(form.count[0]), form.entries.shape[-1]
-            kept = min(n, spec.keep_sink + spec.keep_recent) if spec.drop else n
-            full_b += n * d * itemsize
-            draft_b += kept * (d * spec.bits // 8 + itemsize) if spec.bits else kept * d * itemsize
-    return full_b, draft_b
+def draft_forward(params, config: DeepseekV4Config, draft: HybridDraft, tokens, n_valid=None, *,
+                  implementation: str | None = None):
+    """The V4 forward over the draft copy: (logits f32[B, T, V], new HybridDraft)."""
+    logits, cache = forward(params, config, draft.cache, tokens, n_valid, implementation=implementation)
+    return logits, dataclasses.replace(draft, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames="x")
-def draft_tokens(params, config, draft: HybridCache, first: jax.Array, *, x: int) -> jax.Array:
-    """x greedy tokens from the draft copy (one-token steps in a fori_loop), feeding `first` i32[B] first."""
-    out, _ = greedy_loop(lambda c, t, n: deepseek_v4.forward(params, config, c, t, n), draft, first, x)
-    return out
+def _catch_up(d: CompressedKV, f: CompressedKV, since: jax.Array) -> CompressedKV:
+    """Draft entries with every entry index in [since, f.count) taken exact from the full cache; drafted entries at or
+    beyond f.count are dropped from view (they are rewritten before any query can see them)."""
+    C = d.entries.shape[1]
+    c = jnp.arange(C)[None, :]
+    new = (c >= since[:, None]) & (c < f.count[:, None])
+    entries = jnp.where(new[:, :, None], f.entries.astype(d.entries.dtype), d.entries)
+    keep = jnp.where(c < f.count[:, None], d.keep | new, False)
+    return dataclasses.replace(d, entries=entries, keep=keep, count=f.count)
 
 
-@functools.partial(jax.jit, donate_argnames="full")
-def verify(params, config, full: HybridCache, block: jax.Array):
-    """Verify the block [last emitted token, x drafts] i32[B, x+1] against the full cache.
+def draft_commit(draft: HybridDraft, full: HybridCache, start: jax.Array, keep: jax.Array, *, block: int):
+    """After a verify at positions start..: the draft's rings, tails and counts from the committed full cache, and the
+    entries completed since `start` copied exact; the prompt's lossy entries stay as they are."""
+    del keep, block
+    layers = []
+    for d, f in zip(draft.cache.layers, full.layers):
+        st = dataclasses.replace(d, window=f.window, tail=f.tail)
+        if d.compressed is not None:
+            since = start // d.compressed.rate
+            st = dataclasses.replace(st, compressed=_catch_up(d.compressed, f.compressed, since))
+        if d.indexer is not None:
+            since = start // d.indexer.keys.rate
+            st = dataclasses.replace(st, indexer=dataclasses.replace(
+                d.indexer, keys=_catch_up(d.indexer.keys, f.indexer.keys, since), tail=f.indexer.tail))
+        layers.append(st)
+    return dataclasses.replace(draft, cache=HybridCache(layers=tuple(layers), length=full.length))
 
-    Returns (accepted drafts i32[B], the full cache's predictions i32[B, x+1], full cache advanced by accepted + 1).
-    """
-    B, T = block.shape
-    logits, _ = deepseek_v4.forward(params, config, full, block, jnp.full((B,), T, jnp.int32))
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    match = pred[:, :-1] == block[:, 1:]
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    _, full = deepseek_v4.forward(params, config, full, block, accepted + 1)
-    return accepted, pred, full
+
+def draft_split(draft: HybridDraft):
+    """(nothing invariant, the whole draft): every V4 draft form may change while drafting."""
+    return None, draft
 
 
-def generate_vericache(model, prompt_ids, max_new_tokens: int, *, x: int = 4, spec: DraftSpec = DraftSpec()):
-    """Greedy decoding of one prompt with a lossy draft copy and full-cache verification (DeepSeek-V4).
-
-    Returns:
-        (tokens i32[max_new_tokens], stats {"rounds", "accepted_per_round", "acceptance", "full_bytes",
-        "draft_bytes"}).
-    """
-    ids = np.asarray(prompt_ids, np.int32).reshape(-1)
-    cfg, params = model.config, model.params
-    full = init_cache(cfg, 1, pick_capacity(ids.size + max_new_tokens + x + 1))
-    lg, full = prefill(params, cfg, full, ids)
-    out = [int(np.argmax(lg[-1]))]
-    accepted_total = rounds = 0
-    fb = db = 0
-    while len(out) < max_new_tokens:
-        draft = make_draft(full, spec)
-        fb, db = draft_bytes(full, spec)
-        last = jnp.asarray([out[-1]], jnp.int32)
-        drafts = draft_tokens(params, cfg, draft, last, x=x)
-        block = jnp.concatenate([last[:, None], drafts], axis=1)
-        acc, pred, full = verify(params, cfg, full, block)
-        a = int(acc[0])
-        out += [int(t) for t in np.asarray(drafts[0, :a])] + [int(pred[0, a])]
-        accepted_total += a
-        rounds += 1
-    stats = {"rounds": rounds, "accepted_per_round": accepted_total / max(rounds, 1),
-             "acceptance": accepted_total / max(rounds * x, 1), "full_bytes": fb, "draft_bytes": db}
-    return np.asarray(out[:max_new_tokens], np.int32), stats
+def draft_join(frozen, live: HybridDraft) -> HybridDraft:
+    """Inverse of `draft_split`."""
+    del frozen
+    return live

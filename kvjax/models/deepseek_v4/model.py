@@ -41,15 +41,11 @@ import jax.numpy as jnp
 from kvjax.cache.hybrid import CompressedKV, HybridCache, IndexerState, LayerState, Tail
 from kvjax.models.deepseek_v4.cache import init_cache
 from kvjax.models.layer_types import CSA, SLIDING
-from kvjax.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config, config_for_training, hash_table, hf_config_dict
+from kvjax.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config, hash_table
 from kvjax.models.deepseek_v4.layers import (apply_rope, hyper_head, hyper_merge, hyper_weights, moe, pool_windows,
     rms_norm, rope_tables, sink_attention)
-from kvjax.models.deepseek_v4.weights import init_params, params_from_tensors, params_to_tensors
 
 Params = dict[str, Any]
-# the training entry points (scripts/train_tiny.py reads them off this module)
-__all__ = ["forward", "forward_train", "init_cache", "HybridCache", "config_for_training", "init_params",
-           "params_to_tensors", "params_from_tensors", "hf_config_dict"]
 
 
 def _compress(p: Params, config: DeepseekV4Config, comp: CompressedKV, tail: Tail, h: jax.Array, n_valid: jax.Array):
@@ -142,7 +138,7 @@ def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState
 
 
 def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens: jax.Array,
-            n_valid: jax.Array | None = None, *, return_hidden: bool = False):
+            n_valid: jax.Array | None = None, *, implementation: str | None = None, return_hidden: bool = False):
     """Run `T` new tokens per sequence through the model, folding them into `cache`.
 
     Args:
@@ -151,11 +147,13 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
         cache: state before these tokens; new tokens take positions `cache.length + t`.
         tokens: i32[B, T] token ids (rows beyond `n_valid` are padding and change nothing).
         n_valid: i32[B] real tokens per row (default: all T).
+        implementation: attention implementation (see `kvjax.models.attention`).
         return_hidden: also return the final normalised hidden states [B, T, H].
 
     Returns:
         (logits f32[B, T, V], new cache) — and hidden states when asked.
     """
+    del implementation  # the sink attention below is jnp; routing it through the dispatcher is pending
     B, T = tokens.shape
     if n_valid is None:
         n_valid = jnp.full((B,), T, jnp.int32)

@@ -25,3 +25,14 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.float32
             layers.append(DenseKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                                   length=jnp.zeros((batch,), jnp.int32)))
     return ModelCache(layers=tuple(layers), length=jnp.zeros((batch,), jnp.int32))
+
+
+def read_bytes(cache: ModelCache, length: int) -> int:
+    """Bytes one forward over a cache holding `length` tokens must read: every dense layer's `length` rows of k and v,
+    and every ring whole."""
+    total = 0
+    for l in cache.layers:
+        K, D = l.k.shape[1], l.k.shape[3]
+        rows = l.window if isinstance(l, WindowKV) else min(int(length), l.capacity)
+        total += 2 * K * D * rows * l.k.dtype.itemsize * l.k.shape[0]
+    return total

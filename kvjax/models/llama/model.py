@@ -12,41 +12,22 @@ Params layout (all matrices `[in, out]`):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import ModelCache, WindowKV
+from kvjax.models.llama.cache import init_cache
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.attention import attention as dispatched_attention
-from kvjax.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from kvjax.models.llama.layers import Params, decoder_stack, lm_head
 
-Params = dict[str, Any]
 # attention(q [B,T,N,D], k [B,K,S,D], v, q_pos i32[B,T], k_pos i32[B,S] | [B,K,S], *, window) -> [B,T,N,D]
 AttentionFn = Callable[..., jax.Array]
 
 
-def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax.Array):
-    """Normalised hidden states [B, T, H] -> rotated q [B, T, N, D], k [B, T, K, D], v [B, T, K, D]."""
-    B, T, _ = h.shape
-    N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    q = h @ layer["wq"]
-    k = h @ layer["wk"]
-    v = h @ layer["wv"]
-    if config.attention_bias:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = q.reshape(B, T, N, D)
-    k = k.reshape(B, T, K, D)
-    v = v.reshape(B, T, K, D)
-    if config.qk_norm:
-        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
-    cos, sin = rope_cos_sin(config.rope, D, positions)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _attend_layer(config, form, q, k, v, positions, n_valid, attention_fn):
+def _attend_layer(form, q, k, v, positions, n_valid, attention_fn):
     """Write the new k/v into this layer's form and attend. Returns (out [B, T, N, D], new form)."""
     if isinstance(form, WindowKV):
         # Attend over the ring as it was (old positions) plus the new chunk, then roll the chunk in.
@@ -93,20 +74,14 @@ def forward(
     if n_valid is None:
         n_valid = jnp.full((B,), T, jnp.int32)
     positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    x = params["embed"][tokens]
-    new_layers = []
-    for layer, form, kind in zip(params["layers"], cache.layers, config.layer_types):
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = project_qkv(config, layer, h, positions)
-        out, form = _attend_layer(config, form, q, k, v, positions, n_valid, attention_fn)
-        x = x + out.reshape(B, T, -1) @ layer["wo"]
-        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
-        new_layers.append(form)
-    h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = (h @ head).astype(jnp.float32)
-    new_cache = ModelCache(layers=tuple(new_layers), length=cache.length + n_valid)
+
+    def attend(i, form, q, k, v):
+        out, form = _attend_layer(form, q, k, v, positions, n_valid, attention_fn)
+        return out, form, None
+
+    h, layers, _ = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    logits = lm_head(params, config, h)
+    new_cache = ModelCache(layers=layers, length=cache.length + n_valid)
     if return_hidden:
         return logits, new_cache, h
     return logits, new_cache
@@ -143,8 +118,6 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
 
 def forward_train(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Full causal forward with no carried state (training / evaluation): logits f32[B, T, V]."""
-    from kvjax.models.llama.cache import (init_cache)  # local: forms imports config only, no cycle, but keep the edge visible
-
     B, T = tokens.shape
     cache = init_cache(config, B, T, params["embed"].dtype)
     logits, _ = forward(params, config, cache, tokens)

@@ -124,15 +124,6 @@ def _restore(cache: HybridCache, comp, idx, swa, tail, boundary, *, P: int):
     return HybridCache(layers=tuple(layers), length=seen)
 
 
-@functools.partial(jax.jit, donate_argnames="cache")
-def _v4_step(params, config, cache, tokens, n_valid):
-    from kvjax.models import deepseek_v4  # noqa: PLC0415
-
-    logits, cache = deepseek_v4.forward(params, config, cache, tokens, n_valid)
-    last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache
-
-
 class HybridForms:
     """FormSet of a DeepSeek-V4 config: "compressed", "indexer" (path) and "swa", "tail" (snapshot)."""
 
@@ -185,11 +176,3 @@ class HybridForms:
     def new_cache(self, capacity: int) -> HybridCache:
         check_block_size(self.block_size, capacities=(capacity,))
         return init_cache(self.config, 1, capacity, self.dtype)
-
-    def prefill_chunk(self, params, cache, tokens, n_valid):
-        return _v4_step(params, self.config, cache, tokens, n_valid)
-
-    def greedy_decode(self, params, cache, first, *, num_steps: int):
-        from kvjax.models.deepseek_v4 import api_old as deepseek_v4_api  # noqa: PLC0415
-
-        return deepseek_v4_api.greedy_decode(params, self.config, cache, first, num_steps=num_steps)

@@ -96,12 +96,6 @@ class FormSet(Protocol):
     def new_cache(self, capacity: int):
         """An empty batch-1 cache of the family (`init_cache`)."""
 
-    def prefill_chunk(self, params, cache, tokens: jax.Array, n_valid: jax.Array):
-        """The family's jitted prefill step: (logits f32[B, V] of each row's last real token, cache)."""
-
-    def greedy_decode(self, params, cache, first: jax.Array, *, num_steps: int):
-        """The family's plain greedy decode: (i32[B, num_steps], cache)."""
-
 
 def check_block_size(block_size: int, rates: tuple[int, ...] = (), capacities: tuple[int, ...] = ()) -> None:
     """Raise ValueError unless `block_size` is a multiple of lcm(rates) and divides every capacity."""
@@ -192,29 +186,3 @@ class LlamaForms:
     def new_cache(self, capacity: int) -> ModelCache:
         check_block_size(self.block_size, capacities=(capacity,))
         return init_cache(self.config, 1, capacity, self.dtype)
-
-    def prefill_chunk(self, params, cache, tokens, n_valid):
-        from kvjax.decode import steps  # noqa: PLC0415 - steps imports the cache package
-
-        return steps.prefill_chunk(params, self.config, cache, tokens, n_valid)
-
-    def greedy_decode(self, params, cache, first, *, num_steps: int):
-        from kvjax.decode import steps  # noqa: PLC0415
-
-        return steps.greedy_decode(params, self.config, cache, first, num_steps=num_steps)
-
-
-def forms_for(config, dtype, block_size: int | None = None) -> FormSet:
-    """The FormSet of a model config: Llama family, or DeepSeek-V4 (`hybrid_layout.HybridForms`).
-
-    Args:
-        block_size: tokens per block `P`; default 64 for Llama, the smallest multiple of lcm(compression rates)
-            that is >= 64 for hybrid families.
-    """
-    if isinstance(config, ModelConfig):
-        return LlamaForms(config, dtype, block_size or DEFAULT_BLOCK_SIZE)
-    if getattr(config, "family", None) == "deepseek_v4":
-        from kvjax.prefix.layouts.deepseek_v4 import HybridForms  # noqa: PLC0415 - optional family
-
-        return HybridForms(config, dtype, block_size)
-    raise NotImplementedError(f"no prefix-cache forms for config type {type(config).__name__}")

@@ -1,0 +1,45 @@
+"""The jitted draft step of every family: `x` tokens from the draft cache in one call (a `lax.fori_loop`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.decode import sampling
+
+
+@functools.partial(jax.jit, static_argnames=("x", "temperature", "rejection", "family", "impl"),
+                   donate_argnames="dcache")
+def draft_step(params, config, dcache, last: jax.Array, seed: jax.Array, *, x: int, temperature: float = 0.0,
+               rejection: bool = False, family, impl: str):
+    """Draft `x` tokens from the draft cache in one call (a `lax.fori_loop` of one-token draft forwards).
+
+    Args:
+        dcache: the family's draft cache with length L (= position of `last`); donated.
+        last: i32[B] last emitted token (not yet in either cache).
+        seed: i32[B] sampling seed (unused when greedy).
+
+    Returns:
+        (drafts i32[B, x], draft logits f32[B, x, V] (zeros unless rejection sampling), dcache with length L + x).
+    """
+    B = last.shape[0]
+    V = config.vocab_size
+    drafts = jnp.zeros((B, x), jnp.int32)
+    qlog = jnp.zeros((B, x, V) if rejection else (B, 1, V), jnp.float32)
+    ones = jnp.ones((B,), jnp.int32)
+
+    def body(i, carry):
+        tok, dc, drafts, qlog = carry
+        logits, dc = family.draft_forward(params, config, dc, tok[:, None], ones, implementation=impl)
+        pos = dc.length[:, None]  # position of the token being produced
+        if rejection:
+            nxt = sampling.sample_draft(logits, pos, seed, temperature)[:, 0]
+            qlog = qlog.at[:, i].set(logits[:, 0])
+        else:
+            nxt = sampling.select_tokens(logits, pos, seed, temperature)[:, 0]
+        return nxt, dc, drafts.at[:, i].set(nxt), qlog
+
+    _, dcache, drafts, qlog = jax.lax.fori_loop(0, x, body, (last.astype(jnp.int32), dcache, drafts, qlog))
+    return drafts, qlog, dcache

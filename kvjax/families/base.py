@@ -1,0 +1,91 @@
+"""The Family protocol: everything the one decode engine needs from a model family, as a value.
+
+A family is a frozen dataclass of functions (tpu-inference's `ModelInterface`, gemma's `TransformerLike`): the engine
+(`kvjax.decode`), the schedulers (`kvjax.serve`), remote prefix serving (`kvjax.remote`) and the prefix cache
+(`kvjax.prefix`) call these and never ask which family they run. A new family is one folder under `kvjax/models/`,
+one file here and one registry line (`kvjax.families.registry`).
+
+The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft length; caches are pytrees):
+
+- loading: `config_from_hf(hf_dict) -> config`; `params_from_tensors(config, tensors, dtype) -> params`;
+  `params_to_tensors(config, params, dtype)`; `hf_config_dict(config)`; `init_params(config, key, dtype)`.
+- the full cache: `init_cache(config, batch, capacity, dtype) -> cache`; `forward(params, config, cache, tokens
+  i32[B, T], n_valid i32[B], *, implementation=None) -> (logits f32[B, T, V], cache)` — prefill chunks and plain
+  one-token decode; `verify_forward` — the same over the full cache in the canonical verify arithmetic (the shape
+  the reference decoder and VeriCache's verification share, bit for bit); `commit(params, config, before, after,
+  tokens, keep_len, *, implementation) -> cache` — the state after a verify block rolled back to `keep_len[b]` tokens (masked, no
+  reshape).
+- the draft cache: a compressor (`compressor(name, **kw)`; names in `compressors`) is called as
+  `compressor(params, config, full, prompt, *, recent_slots) -> draft`; a draft has `length`, `nbytes()` and
+  `prompt_nbytes()`; `draft_forward(params, config, draft, tokens, n_valid) -> (logits, draft)`; `draft_commit(draft, full, start,
+  keep, *, block) -> draft` — after a verify: forget the drafted state past `start`, take the `keep[b]` exact
+  positions `start[b]..` from the committed full cache; `draft_split(draft) -> (invariant, changing)` and
+  `draft_join(invariant | None, changing) -> draft` — what drafting never changes (kept out of loop carries and
+  out of the rows the schedulers verify) and what it does.
+- accounting: `read_bytes(cache, length)` — bytes one forward over `length` cached tokens reads.
+- offload (full cache in host memory between verifications): `offload_split(full, tail_capacity) -> (host_part,
+  device_part)`; `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`;
+  `offload_update(device_part, full, start, keep, prompt_len, *, block) -> device_part`.
+- the prefix cache: `prefix_layout(config, dtype, block_size) -> FormSet`.
+
+A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family
+and the feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from kvjax.errors import UnsupportedFeatureError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Family:
+    """A model family as a value (hashable by identity, so jitted steps take it as a static argument)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    config_type: type
+    config_from_hf: Callable[..., Any]
+    params_from_tensors: Callable[..., Any]
+    params_to_tensors: Callable[..., Any]
+    hf_config_dict: Callable[..., Any]
+    init_params: Callable[..., Any]
+    init_cache: Callable[..., Any]
+    read_bytes: Callable[..., Any]
+    forward: Callable[..., Any]
+    verify_forward: Callable[..., Any]
+    commit: Callable[..., Any]
+    draft_forward: Callable[..., Any] | None = None
+    draft_commit: Callable[..., Any] | None = None
+    draft_split: Callable[..., Any] | None = None
+    draft_join: Callable[..., Any] | None = None
+    compressor: Callable[..., Any] | None = None
+    compressors: tuple[str, ...] = ()
+    offload_split: Callable[..., Any] | None = None
+    offload_join: Callable[..., Any] | None = None
+    offload_update: Callable[..., Any] | None = None
+    prefix_layout: Callable[..., Any] | None = None
+    check_draft_len: Callable[..., Any] | None = None
+    shard_params: Callable[..., Any] | None = None
+
+    def require(self, field: str, feature: str) -> Callable[..., Any]:
+        """The function `field`, or UnsupportedFeatureError naming this family and `feature`."""
+        fn = getattr(self, field)
+        if fn is None:
+            raise UnsupportedFeatureError(self.name, feature)
+        return fn
+
+    def make_compressor(self, name_or_compressor, **kw):
+        """A draft maker of this family by name (`compressors`), or the object itself when already one."""
+        if not isinstance(name_or_compressor, str):
+            return name_or_compressor
+        make = self.require("compressor", "VeriCache draft caches")
+        if name_or_compressor not in self.compressors:
+            raise UnsupportedFeatureError(self.name, f"compressor {name_or_compressor!r}",
+                                          f"this family's compressors are {', '.join(self.compressors)}")
+        return make(name_or_compressor, **kw)
+
+    def __repr__(self) -> str:
+        return f"Family({self.name!r})"

@@ -1,0 +1,46 @@
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral) as a `Family` value."""
+
+from __future__ import annotations
+
+from kvjax import sharding
+from kvjax.cache import draft as draft_forms
+from kvjax.compress import COMPRESSORS, make_compressor
+from kvjax.families.base import Family
+from kvjax.models.attention import make_attention_fn
+from kvjax.models.llama import cache, draft, model, offload, verify, weights
+from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
+from kvjax.prefix.layouts.llama import LlamaForms
+
+
+def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implementation: str | None = None):
+    """`kvjax.models.llama.forward` with the attention implementation named."""
+    return model.forward(params, config, cache_, tokens, n_valid, attention_fn=make_attention_fn(implementation))
+
+
+LLAMA = Family(
+    name="llama",
+    model_types=SUPPORTED_FAMILIES,
+    config_type=ModelConfig,
+    config_from_hf=config_from_hf,
+    params_from_tensors=weights.params_from_tensors,
+    params_to_tensors=weights.params_to_tensors,
+    hf_config_dict=weights.hf_config_dict,
+    init_params=model.init_params,
+    init_cache=cache.init_cache,
+    read_bytes=cache.read_bytes,
+    forward=forward,
+    verify_forward=verify.verify_forward,
+    commit=verify.commit,
+    check_draft_len=verify.check_draft_len,
+    draft_forward=draft.draft_forward,
+    draft_commit=draft.draft_commit,
+    draft_split=draft_forms.draft_split,
+    draft_join=draft_forms.draft_join,
+    compressor=make_compressor,
+    compressors=COMPRESSORS,
+    offload_split=offload.offload_split,
+    offload_join=offload.offload_join,
+    offload_update=offload.offload_update,
+    prefix_layout=LlamaForms,
+    shard_params=sharding.shard_params,
+)

@@ -1,0 +1,72 @@
+"""The Llama decoder, written once: q/k/v projection and the layer stack that the full-cache forward, the draft
+forward and the KV scorers all run, each with its own attention over its own state.
+
+`decoder_stack(params, config, tokens, positions, states, attend)` runs embed -> per layer (norm, q/k/v, attend, o,
+norm, gated MLP) -> final norm; `attend(i, state, q, k, v)` returns `(out [B, T, N, D], new state, aux)`, so the
+three callers differ only in what they attend to. `lm_head` turns hidden states into f32 logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from kvjax.models.llama.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax.Array):
+    """Normalised hidden states [B, T, H] -> rotated q [B, T, N, D], k [B, T, K, D], v [B, T, K, D]."""
+    B, T, _ = h.shape
+    N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    q = h @ layer["wq"]
+    k = h @ layer["wk"]
+    v = h @ layer["wv"]
+    if config.attention_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = q.reshape(B, T, N, D)
+    k = k.reshape(B, T, K, D)
+    v = v.reshape(B, T, K, D)
+    if config.qk_norm:
+        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+    cos, sin = rope_cos_sin(config.rope, D, positions)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, states,
+                  attend: Callable[..., tuple]):
+    """Run the decoder over `T` tokens per row.
+
+    Args:
+        tokens: i32[B, T]; positions: i32[B, T] absolute positions (rope and masks).
+        states: one per-layer state (any pytree, or None) handed to `attend`.
+        attend: `(layer index, state, q [B, T, N, D], k [B, T, K, D], v [B, T, K, D]) -> (out [B, T, N, D],
+            new state, aux)`.
+
+    Returns:
+        (final normalised hidden states [B, T, H], tuple of new states, tuple of auxes).
+    """
+    B, T = tokens.shape
+    x = params["embed"][tokens]
+    new_states, auxes = [], []
+    for i, (layer, state) in enumerate(zip(params["layers"], states)):
+        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+        q, k, v = project_qkv(config, layer, h, positions)
+        out, state, aux = attend(i, state, q, k, v)
+        x = x + out.reshape(B, T, -1) @ layer["wo"]
+        h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+        x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+        new_states.append(state)
+        auxes.append(aux)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), tuple(new_states), tuple(auxes)
+
+
+def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """Logits f32[B, T, V] of final hidden states [B, T, H] (tied embeddings or `lm_head`)."""
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)
