@@ -11,28 +11,40 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def random_model(config, seed: int = 0, tokenizer=None):
+    """A `kvjax.Model` of `config` (any family) with randomly initialised params (`family.init_params`)."""
+    from kvjax.families import family_of_config
+    from kvjax.model import Model
+
+    fam = family_of_config(config)
+    return Model(config=config, params=fam.init_params(config, jax.random.key(seed)), family=fam,
+                 tokenizer=tokenizer)
+
+
 def random_model_like(checkpoint: str):
-    """A randomly initialised model of the bundled checkpoint's shape (with its tokenizer when present).
+    """A randomly initialised model of the checkpoint's config (with its tokenizer when present).
 
     Random weights accept every draft; use it only to isolate mechanism costs from model quality, and say so.
+    Without a checkpoint: the original bundled shape (4 layers, hidden 256, 8 x 4 heads of 32).
     """
-    from kvjax import api
-    from kvjax.models.layer_types import FULL
-    from kvjax.models.llama.config import ModelConfig
-    from kvjax.models.rope import RopeConfig
-    from kvjax.models import llama
+    import json
+
+    from kvjax.families import family_for
 
     tok = None
     if os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
         from kvjax.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(checkpoint)
-    V = tok.vocab_size if tok is not None else 4096
-    cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=256, intermediate_size=768, num_layers=4,
-                      num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                      layer_types=(FULL,) * 4, tie_word_embeddings=True, max_position_embeddings=131072)
-    return api.Model(config=cfg, params=llama.init_params(cfg, jax.random.key(0)), tokenizer=tok, path=None,
-                     dtype="f32")
+    cfg_path = os.path.join(checkpoint, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            hf = json.load(f)
+    else:
+        hf = dict(model_type="llama", vocab_size=tok.vocab_size if tok is not None else 4096, hidden_size=256,
+                  intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072)
+    return random_model(family_for(hf.get("model_type")).config_from_hf(hf), tokenizer=tok)
 
 
 def load_bench_model(checkpoint: str, random: bool):

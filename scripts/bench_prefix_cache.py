@@ -26,15 +26,28 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.cache.capacity import pick_capacity
+from kvjax.decode import steps
 from kvjax.prefix.identity import make_namespace
-from kvjax.prefix.layouts.llama import forms_for
+from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
 from kvjax.prefix.prefill import kv_dtype, model_namespace, prefill_with_prefix_cache
-from kvjax.cache.toy_model import toy_config, toy_model
+from kvjax.models.llama.config import ModelConfig
+from kvjax.models.rope import RopeConfig
+from bench_common import random_model  # noqa: E402
 from kvjax.models.layer_types import FULL, SLIDING
+
+
+def tiny_config(layer_types, *, window: int, kv_heads: int = 2, heads: int = 4, head_dim: int = 16,
+                hidden: int = 64) -> ModelConfig:
+    """A tiny random-weights Llama config (the lookup benchmark needs only its shapes)."""
+    return ModelConfig(family="llama", vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=len(layer_types), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0), layer_types=tuple(layer_types),
+                       sliding_window=window, max_position_embeddings=1 << 17)
 
 
 def synthetic_cache(cfg, n, cap):
@@ -50,7 +63,7 @@ def synthetic_cache(cfg, n, cap):
 
 
 def bench_lookup(lengths, P, reps):
-    cfg = toy_config((FULL, SLIDING), window=128, kv_heads=1, heads=1, head_dim=2, hidden=8)
+    cfg = tiny_config((FULL, SLIDING), window=128, kv_heads=1, heads=1, head_dim=2, hidden=8)
     forms = forms_for(cfg, np.float32, P)
     ns = make_namespace(cfg, weights="synthetic", kv_dtype="float32",
                         formats={s.name: s.fingerprint for s in forms.specs}, block_size=P)
@@ -97,13 +110,15 @@ def bench_restore(model, n, P, chunk, reps):
     forms = forms_for(model.config, dt, P)
 
     def recompute(k=n):
-        # the same chunked prefill a cold request runs (any family: the FormSet names its jitted step)
+        # the same chunked prefill a cold request runs
         cache = forms.new_cache(cap)
         for s in range(0, k, chunk):
             part = prompt[s:min(k, s + chunk)]
             buf = np.zeros((1, chunk), np.int32)
             buf[0, :part.size] = part
-            _, cache = forms.prefill_chunk(model.params, cache, jnp.asarray(buf), jnp.asarray([part.size], jnp.int32))
+            _, _, cache = steps.prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
+                                              jnp.asarray([part.size], jnp.int32), family=model.family,
+                                              impl=model.attention)
         return cache.length
 
     jax.block_until_ready(recompute(chunk))  # compile on one chunk (same shapes), then time the whole prefix once
@@ -189,7 +204,7 @@ def main():
 
         model = load(args.model)
     else:
-        model = toy_model(toy_config((FULL, SLIDING, FULL), window=128))
+        model = random_model(tiny_config((FULL, SLIDING, FULL), window=128))
     n = 2048 if args.quick else args.restore_tokens
     Pm = forms_for(model.config, kv_dtype(model), args.block_size).block_size
     records += bench_restore(model, n, Pm, args.chunk, reps=1 if args.quick else 2)

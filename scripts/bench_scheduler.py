@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
-from kvjax.decode import rounds as draft_steps  # noqa: E402
+from kvjax.decode.reference import reference_step  # noqa: E402
+from kvjax.serve import requests  # noqa: E402
 from kvjax.serve import vericache_scheduler as sch  # noqa: E402
 from kvjax.serve.full_scheduler import FullCacheScheduler  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
@@ -53,7 +54,8 @@ def reference(model, prefilled, M: int, x: int) -> np.ndarray:
     seed = jnp.zeros((1,), jnp.int32)
     tok, out = first, [int(first[0])]
     for _ in range(M - 1):
-        tok, _, full = draft_steps.reference_step(model.params, model.config, full, tok, seed, x=x)
+        tok, _, full = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
+                                      impl=model.attention)
         out.append(int(tok[0]))
     return np.asarray(out, np.int32)
 
@@ -136,11 +138,11 @@ def main(argv=None):
         ckw["ratio"] = args.ratio
 
     t0 = time.perf_counter()
-    pre = [sch.prefill_request(model, p, M, draft_len=x) for p in prompts]
+    pre = [requests.prefill_request(model, p, M, draft_len=x) for p in prompts]
     t_prefill = time.perf_counter() - t0
     full_bytes = sum(l.k.nbytes + l.v.nbytes for l in pre[0][0].layers)
     if args.budget_bytes is None:  # exactly two slots of the full-cache batch plus its one-layer admission scratch
-        probe = [sch.Request(prompt=p, max_new_tokens=M, prefilled=pp) for p, pp in zip(prompts, pre)]
+        probe = [requests.Request(prompt=p, max_new_tokens=M, prefilled=pp) for p, pp in zip(prompts, pre)]
         _, _, per, scratch = FullCacheScheduler(model, budget_bytes=1 << 62, draft_len=x).slots_for(probe)
         budget = 2 * per + scratch
     else:
@@ -155,7 +157,7 @@ def main(argv=None):
     print(f"[bench] references {time.perf_counter() - t0:.1f}s", flush=True)
 
     def requests(m):
-        return [sch.Request(prompt=p, max_new_tokens=m, prefilled=pp) for p, pp in zip(prompts, pre)]
+        return [requests.Request(prompt=p, max_new_tokens=m, prefilled=pp) for p, pp in zip(prompts, pre)]
 
     recent = max(64, M + x + 2)
     tail_cap = pick_capacity(M + x + 2, CAPACITY_BUCKETS)

@@ -2,7 +2,7 @@
 
 For each held-out long prompt the full cache is prefilled ONCE and copied for every contender; timings cover decoding
 only (compression is reported apart). Contenders:
-  - full:        `steps.greedy_decode` (plain one-token lax loop, the fastest full-cache decoder);
+  - full:        `steps.decode` (plain one-token lax loop, the fastest full-cache decoder);
   - reference:   kvjax's verify-shape full-cache decoder (the exactness reference; timed too);
   - lossy[c]:    greedy decoding from draft cache c alone (one `draft_step` call of M-1 tokens);
   - vc[c]:       VeriCache with draft cache c, x = --draft-len, resident full cache;
@@ -32,8 +32,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvjax.compress import make_compressor  # noqa: E402
-from kvjax.decode import rounds as draft_steps, steps  # noqa: E402
+from kvjax.decode import draft as draft_mod  # noqa: E402
+from kvjax.decode import steps  # noqa: E402
+from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
@@ -56,14 +57,16 @@ def copy(tree):
 def lossy_decode(model, dc, first, M):
     """Greedy decoding from the draft cache `dc` alone (ring >= M slots); returns (tokens, decode seconds)."""
     t = time.perf_counter()
-    toks, _, _ = draft_steps.draft_step(model.params, model.config, dc, first, jnp.zeros((1,), jnp.int32), x=M - 1)
+    toks, _, _ = draft_mod.draft_step(model.params, model.config, dc, first, jnp.zeros((1,), jnp.int32), x=M - 1,
+                                      family=model.family, impl=model.attention)
     toks = np.asarray(toks[0])
     return np.concatenate([np.asarray(first), toks]), time.perf_counter() - t
 
 
 def plain_full(model, full, first, M):
     t = time.perf_counter()
-    rest, _ = steps.greedy_decode(model.params, model.config, full, first, num_steps=M - 1)
+    rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
+                           family=model.family, impl=model.attention)
     rest = np.asarray(rest[0])
     return np.concatenate([np.asarray(first), rest]), time.perf_counter() - t
 
@@ -73,9 +76,11 @@ def reference(model, full, first, M, x):
     tok, out, margins = first, [int(first[0])], []
     t = time.perf_counter()
     for _ in range(M - 1):
-        tok, m, full = draft_steps.reference_step(model.params, model.config, full, tok, seed, x=x)
+        tok, row, full = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
+                                        impl=model.attention)
         out.append(int(tok[0]))
-        margins.append(float(m[0]))
+        top = jax.lax.top_k(row[0], 2)[0]
+        margins.append(float(top[0] - top[1]))
     return np.asarray(out, np.int32), time.perf_counter() - t, np.asarray(margins)
 
 
@@ -103,7 +108,7 @@ def main(argv=None):
     prompts, source = bench_prompts(model, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
-    comps = {c: make_compressor(c, **COMPRESSORS[c]) for c in names}
+    comps = {c: model.family.make_compressor(c, **COMPRESSORS[c]) for c in names}
     print(f"[bench] prompts: {len(prompts)} x {P} tokens ({source}); new tokens {M}; x = {x}; "
           f"capacity {vc.capacity_for(P, M, xmax)}; devices {jax.devices()}")
 

@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker skips unless JAX sees a GPU; tiny HF models are built once per session."""
+"""Shared pytest set-up: the `gpu` marker skips unless JAX sees a GPU; the builders of `builders.py` as fixtures
+(tiny HF models are built once per session)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_models.py and friends
+sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
     """factory(name) -> (transformers model, saved directory), cached per session."""
-    from hf_models import make_hf_model
+    from builders import make_hf_model
 
     made = {}
     root = tmp_path_factory.mktemp("hf_models")
@@ -36,6 +37,25 @@ def hf_model_dir(tmp_path_factory):
     return get
 
 
-def compile_count(jitted) -> int:
-    """How many executables a jitted function holds (STYLE.md habit 6)."""
-    return jitted._cache_size()
+@pytest.fixture
+def compile_count():
+    """compile_count(jitted) -> executables it holds."""
+    from builders import compile_count as count
+
+    return count
+
+
+@pytest.fixture
+def toy_model():
+    """toy_model(config=None, seed=0, scale=0.08) -> a tiny random Llama-family kvjax Model (no files)."""
+    from builders import toy_model as make
+
+    return make
+
+
+@pytest.fixture
+def toy_config():
+    """toy_config(layer_types, *, window, ...) -> a tiny ModelConfig."""
+    from builders import toy_config as make
+
+    return make

@@ -75,7 +75,7 @@ def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
 def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="streaming", draft_len: int = 8,
                        offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
                        adaptive: tuple | None = None, recent_slots: int = 256, compressor_kw: dict | None = None,
-                       progress=None):
+                       progress=None, return_logits: bool = False):
     """Exact decoding of one prompt with a lossy draft cache and full-cache verification.
 
     Args:
@@ -88,10 +88,13 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
         temperature: 0 = greedy; > 0 = position-keyed exact sampling (or rejection sampling when `rejection`).
         adaptive: static ascending set of x values to adapt over (starting at draft_len, which must be in it).
         recent_slots: draft ring slots for decoded tokens.
-        progress: optional callback(tokens_emitted).
+        progress: optional callback(tokens_emitted, new_tokens i32[k]) after every round.
+        return_logits: also return the logits row that chose each token, f32[max_new_tokens, V] (the first from the
+            prefill, the rest from verification): bit-identical to `reference_decode(..., return_logits=True)`.
 
     Returns:
-        (tokens i32[max_new_tokens], stats dict — see `kvjax.decode.metrics.RunMetrics.summary`).
+        (tokens i32[max_new_tokens], stats dict — see `kvjax.decode.metrics.RunMetrics.summary`), plus the logits
+        when `return_logits`.
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -99,29 +102,36 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
         raise InputError("rejection sampling needs temperature > 0")
     comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
     xs = _draft_lengths(model, draft_len, adaptive)
-    full, first = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1], temperature=temperature, seed=seed)
+    full, first, first_logits = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
+                                            temperature=temperature, seed=seed, return_logits=True)
     return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
-                         recent_slots=recent_slots, progress=progress)
+                         recent_slots=recent_slots, progress=progress,
+                         first_logits=first_logits if return_logits else None)
 
 
-def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0):
-    """Prefilled full cache (capacity by `capacity_for`) and the first token: (cache, first i32[1])."""
+def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0,
+                return_logits: bool = False, on_chunk=None):
+    """Prefilled full cache (capacity by `capacity_for`) and the first token: (cache, first i32[1]) — plus the last
+    prompt row's logits f32[V] when `return_logits`."""
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     full = model.family.init_cache(model.config, 1, capacity_for(prompt.size, max_new_tokens, max_draft),
                                    model.cache_dtype)
-    logits, full = steps.prefill(model, full, prompt)
-    return full, first_token(logits, prompt.size, jnp.asarray([seed], jnp.int32), temperature)
+    logits, full = steps.prefill(model, full, prompt, on_chunk=on_chunk)
+    first = first_token(logits, prompt.size, jnp.asarray([seed], jnp.int32), temperature)
+    return (full, first, logits) if return_logits else (full, first)
 
 
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
-                  adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None):
+                  adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None,
+                  first_logits=None):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
     Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
     `draft_cache`: an already compressed draft cache of this prompt (consumed; its ring must hold x + 1 rows) —
-    benchmarks compress once and reuse it; `compressor` then only names the run.
+    benchmarks compress once and reuse it; `compressor` then only names the run. `first_logits` (the prefill's last
+    row, f32[V]): collect and return every emitted token's logits row as well.
     """
     params, config, family, impl = model.params, model.config, model.family, model.attention
     comp = family.make_compressor(compressor)
@@ -160,6 +170,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         met.device_peak_bytes = met.device_resident_bytes
 
     out = [int(first[0])]
+    rows = None if first_logits is None else [np.asarray(first_logits)[None]]
     last = first
     x = draft_len
     t_start = time.perf_counter()
@@ -174,15 +185,15 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             fetched = offl.fetch(host_part)
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
-            emitted, n, device_part, dcache, _ = verify_mod.verify_offloaded(
+            emitted, n, device_part, dcache, logits, _ = verify_mod.verify_offloaded(
                 params, config, fetched, device_part, length, prompt_len, dcache, last, drafts, qlog, seed_a,
                 temperature=temperature, rejection=rejection, family=family, impl=impl)
             length = length + n + 1
         else:
             tc = tb
-            emitted, n, full, dcache = verify_mod.verify_step(params, config, full, dcache, last, drafts, qlog,
-                                                              seed_a, temperature=temperature, rejection=rejection,
-                                                              family=family, impl=impl)
+            emitted, n, full, dcache, logits = verify_mod.verify_step(
+                params, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
+                rejection=rejection, family=family, impl=impl)
         n_host = int(n[0])
         new = np.asarray(emitted[0, :n_host + 1])
         td = time.perf_counter()
@@ -192,6 +203,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
                       verify_read_bytes=met.param_bytes + fixed_bytes + ctx * row_bytes,
                       h2d_bytes=met.h2d_bytes_per_verify if offload else 0)
         out.extend(int(t) for t in new)
+        if rows is not None:
+            rows.append(np.asarray(logits[0, :n_host + 1]))
         last = emitted[:, n_host]
         if progress is not None:
             progress(min(len(out), max_new_tokens), new)
@@ -200,20 +213,24 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     met.decode_s = time.perf_counter() - t_start
     toks = np.asarray(out[:max_new_tokens], np.int32)
     met.emitted = int(toks.size)
+    if rows is not None:
+        return toks, met.summary(), np.concatenate(rows, axis=0)[:max_new_tokens]
     return toks, met.summary()
 
 
 def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int = 8, temperature: float = 0.0,
-                     seed: int = 0, max_draft: int | None = None, return_margins: bool = False):
+                     seed: int = 0, max_draft: int | None = None, return_margins: bool = False,
+                     return_logits: bool = False):
     """kvjax's full-cache reference decoder: one token per step through the verify shape (T = x + 1, row 0).
 
     Args:
         draft_len: x of the VeriCache run to compare with (the verify block shape).
         max_draft: largest x of an adaptive run (sets the cache capacity like `generate_vericache`).
         return_margins: also return f32[max_new_tokens] top-1 minus top-2 logit at each step.
+        return_logits: also return the logits row that chose each token, f32[max_new_tokens, V].
 
     Returns:
-        tokens i32[max_new_tokens] (and margins).
+        tokens i32[max_new_tokens] (then margins, then logits, as asked).
     """
     from kvjax.decode.reference import reference_step  # noqa: PLC0415 - sibling module, kept apart for clarity
 
@@ -226,15 +243,21 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
                                    model.cache_dtype)
     logits, full = steps.prefill(model, full, prompt)
     tok = first_token(logits, prompt.size, seed_a, temperature)
-    out, margins = [int(tok[0])], [_margin(logits)]
+    out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
     for _ in range(max_new_tokens - 1):
         tok, row, full = reference_step(model.params, model.config, full, tok, seed_a, x=draft_len,
                                         temperature=temperature, family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         if return_margins:
             margins.append(_margin(row[0]))
-    toks = np.asarray(out, np.int32)
-    return (toks, np.asarray(margins, np.float32)) if return_margins else toks
+        if return_logits:
+            rows.append(np.asarray(row[0]))
+    result = [np.asarray(out, np.int32)]
+    if return_margins:
+        result.append(np.asarray(margins, np.float32))
+    if return_logits:
+        result.append(np.stack(rows))
+    return tuple(result) if len(result) > 1 else result[0]
 
 
 def _margin(logits) -> float:

@@ -30,10 +30,11 @@ def accept(drafts: jax.Array, target: jax.Array):
 
 def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float, rejection: bool,
                 family, impl: str):
-    """Verify + accept + commit (traced inside a jit). Returns (emitted i32[B, x+1], n i32[B], full, dcache).
+    """Verify + accept + commit (traced inside a jit). Returns (emitted i32[B, x+1], n i32[B], full, dcache, logits
+    f32[B, x+1, V]).
 
-    emitted[:, :n+1] are the new tokens (n accepted drafts, then the full cache's own token). `dcache` None: no draft
-    to update (the remote stream's fetch-full path).
+    emitted[:, :n+1] are the new tokens (n accepted drafts, then the full cache's own token); logits[:, j] is the row
+    that chose emitted[:, j]. `dcache` None: no draft to update (the remote stream's fetch-full path).
     """
     B, x = drafts.shape
     L = full.length
@@ -52,7 +53,7 @@ def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
     full = family.commit(params, config, full, after, tokens, L + keep, implementation=impl)
     if dcache is not None:
         dcache = family.draft_commit(dcache, full, L, keep, block=x + 1)
-    return emitted, n, full, dcache
+    return emitted, n, full, dcache, logits
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
@@ -66,7 +67,7 @@ def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
         last: i32[B]; drafts: i32[B, x]; qlog: draft logits (rejection sampling only); seed: i32[B].
 
     Returns:
-        (emitted i32[B, x+1], n i32[B], full, dcache).
+        (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V]).
     """
     return verify_core(params, config, full, dcache, last, drafts, qlog, seed, temperature=temperature,
                        rejection=rejection, family=family, impl=impl)
@@ -83,13 +84,14 @@ def verify_offloaded(params, config, host_part, device_part, length, prompt_len,
     on a cache bitwise equal to the resident one; only the device part keeps the accepted rows.
 
     Returns:
-        (emitted, n, device_part, dcache, scratch) — scratch is the assembled full cache, returned only so the donated
-        transferred buffers can be aliased (assembled in place); callers drop it.
+        (emitted, n, device_part, dcache, logits, scratch) — scratch is the assembled full cache, returned only so the
+        donated transferred buffers can be aliased (assembled in place); callers drop it.
     """
     B, x = drafts.shape
     full = family.offload_join(host_part, device_part, length, prompt_len)
     L = full.length
-    emitted, n, full, dcache = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
-                                           temperature=temperature, rejection=rejection, family=family, impl=impl)
+    emitted, n, full, dcache, logits = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
+                                                   temperature=temperature, rejection=rejection, family=family,
+                                                   impl=impl)
     device_part = family.offload_update(device_part, full, L, n + 1, prompt_len, block=x + 1)
-    return emitted, n, device_part, dcache, full
+    return emitted, n, device_part, dcache, logits, full

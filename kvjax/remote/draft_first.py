@@ -316,9 +316,9 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             queue = []
             drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
                                                      impl=model.attention)
-        emitted, n, full, dcache = verify_mod.verify_step(params, config, full, dcache, last, drafts,
-                                                          jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
-                                                          family=model.family, impl=model.attention)
+        emitted, n, full, dcache, _ = verify_mod.verify_step(
+            params, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
+            family=model.family, impl=model.attention)
         n = int(n[0])
         new = [int(t) for t in np.asarray(emitted[0, :n + 1])]
         out.extend(new)

@@ -105,11 +105,19 @@ def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     kv = apply_rope(rms_norm(h @ p["wkv"], p["kv_norm"], eps), cos, sin)  # [B, T, D]
 
-    # sliding window: the ring as it was (older positions) plus this chunk
+    # sliding window: the ring as it was (older positions) plus this chunk, every key moved to slot
+    # `position % (W + T)` (W + T consecutive positions never collide): a key then sits at the same slot whether it
+    # came from the ring or from the block, so a verify block's row j reduces over its keys in the same order as a
+    # one-token step at that position — the verify shape is bit-identical to the reference decoder's.
     win = state.window
     t = jnp.arange(T)[None, :]
     kpos = jnp.concatenate([win.slot_positions(), jnp.where(t < n_valid[:, None], positions, -1)], axis=1)
     keys = jnp.concatenate([win.kv.astype(kv.dtype), kv], axis=1)
+    S_w = W + T
+    slot = jnp.where(kpos >= 0, jnp.mod(kpos, S_w), S_w)
+    b = jnp.arange(B)[:, None]
+    keys = jnp.zeros_like(keys).at[b, slot].set(keys, mode="drop")
+    kpos = jnp.full((B, S_w), -1, jnp.int32).at[b, slot].set(kpos, mode="drop")
     qp = positions[:, :, None]
     mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - W)
     new = LayerState(window=win.write(kv, n_valid))

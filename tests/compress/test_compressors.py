@@ -77,11 +77,11 @@ def test_lossless_draft_forward_matches_full_forward(hf_model_dir, name):
     m = load(hf_model_dir(name)[1])
     prompt = np.random.default_rng(0).integers(0, 97, 40).astype(np.int32)
     full = init_cache(m.config, 1, 256)
-    _, full = steps.prefill(m.params, m.config, full, prompt, chunk=64)
+    _, full = steps.prefill(m, full, prompt, chunk=64)
     dc = StreamingLLM(ratio=1.0)(m.params, m.config, full, prompt, recent_slots=32)
     toks = jnp.asarray([[3, 7, 11]], jnp.int32)
     ld, _ = jax.jit(draft_forward)(m.params, m.config, dc, toks)
-    lf, _ = steps.forward_step(m.params, m.config, full, toks, jnp.asarray([3], jnp.int32))
+    lf, _ = steps.forward_step(m.params, m.config, full, toks, jnp.asarray([3], jnp.int32), family=m.family, impl=m.attention)
     np.testing.assert_allclose(ld, lf, atol=2e-5, rtol=1e-5)
 
 
@@ -89,7 +89,7 @@ def test_compressors_budget_and_bytes(hf_model_dir):
     m = load(hf_model_dir("llama")[1])
     prompt = np.random.default_rng(1).integers(0, 97, 240).astype(np.int32)
     full = init_cache(m.config, 1, 256)
-    _, full = steps.prefill(m.params, m.config, full, prompt, chunk=256)
+    _, full = steps.prefill(m, full, prompt, chunk=256)
     full_bytes = sum(l.k.nbytes + l.v.nbytes for l in full.layers) * 240 / 256
     ratios = {}
     for name, kw in [("streaming", {}), ("snapkv", {"obs_window": 16}), ("kvzip", {"chunk": 64, "recent": 8}),

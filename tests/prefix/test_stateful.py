@@ -15,9 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.prefix.identity import make_namespace
-from kvjax.prefix.layouts.llama import forms_for
+from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
-from kvjax.cache.toy_model import toy_config
+from builders import toy_config
 from kvjax.models.layer_types import FULL, SLIDING
 
 P, W, CAP = 4, 4, 32

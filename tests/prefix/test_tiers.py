@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from kvjax.models.llama.cache import init_cache
-from kvjax.prefix.layouts.llama import forms_for
+from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
 from kvjax.prefix.prefill import model_namespace, prefill_with_prefix_cache
 from kvjax.prefix.tiers import admission_caps
-from kvjax.cache.toy_model import toy_config, toy_model
+from builders import toy_config, toy_model
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.decode import steps
 
@@ -24,7 +24,7 @@ def model():
 
 
 def cold(model, prompt):
-    logits, _ = steps.prefill(model.params, model.config, init_cache(model.config, 1, CAP), prompt, chunk=CHUNK)
+    logits, _ = steps.prefill(model, init_cache(model.config, 1, CAP), prompt, chunk=CHUNK)
     return np.asarray(logits)
 
 

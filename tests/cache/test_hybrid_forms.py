@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_deepseek_v4_models import make_v4
+from builders import make_v4
 
 import kvjax
 from kvjax.cache.hybrid import CompressedKV, SharedKVWindow, Tail
 from kvjax.models.deepseek_v4.cache import init_cache
 from kvjax.models import deepseek_v4
-from kvjax.models.deepseek_v4.api_old import forward_step
+from kvjax.decode import steps
 
 TOL = 1e-5
 SEQ = 45  # m = 4, m' = 8, W = 8: crosses every boundary several times
@@ -44,7 +44,8 @@ def run_schedule(model, seqs, schedule, T):
         buf = np.zeros((B, T), np.int32)
         for b, n in enumerate(ns):
             buf[b, :n] = seqs[b][done[b]:done[b] + n]
-        lg, cache = forward_step(model.params, model.config, cache, jnp.asarray(buf), jnp.asarray(ns, jnp.int32))
+        lg, cache = steps.forward_step(model.params, model.config, cache, jnp.asarray(buf), jnp.asarray(ns, jnp.int32), family=model.family,
+                                       impl=model.attention)
         lg = np.asarray(lg)
         for b, n in enumerate(ns):
             outs[b].append(lg[b, :n])
@@ -73,8 +74,8 @@ def test_prefill_split_at_arbitrary_points(model):
         outs, cache = run_schedule(model, seqs, schedule, 8)
         for o, r in zip(outs, refs):
             assert np.abs(o - r).max() < TOL, np.abs(o - r).max()
-        compiled = compiled or forward_step._cache_size()
-        assert forward_step._cache_size() == compiled  # new split points compile nothing
+        compiled = compiled or steps.forward_step._cache_size()
+        assert steps.forward_step._cache_size() == compiled  # new split points compile nothing
     # the forms agree on how much they hold
     st = cache.layers[1]
     assert int(cache.length[0]) == SEQ and int(st.window.seen[0]) == SEQ and int(st.tail.seen[0]) == SEQ
@@ -91,7 +92,8 @@ def test_decode_one_token_across_boundaries(model):
     while done[0] < SEQ:
         ns = [1, 1 if done[1] < SEQ else 0]
         tok = np.array([[seqs[b][min(done[b], SEQ - 1)]] for b in range(2)], np.int32)
-        lg, cache = forward_step(model.params, model.config, cache, jnp.asarray(tok), jnp.asarray(ns, jnp.int32))
+        lg, cache = steps.forward_step(model.params, model.config, cache, jnp.asarray(tok), jnp.asarray(ns, jnp.int32), family=model.family,
+                                       impl=model.attention)
         for b in range(2):
             if ns[b]:
                 outs[b].append(np.asarray(lg)[b, :1])

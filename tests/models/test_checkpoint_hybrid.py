@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import kvjax
+from builders import CHECKPOINTS
 
-CKPT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kvjax-hybrid-tiny")
+CKPT = os.path.join(CHECKPOINTS, "kvjax-hybrid-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from kvjax.api import generate
 from kvjax.prefix.layouts import llama as layout
 from kvjax.prefix import tiers
 from kvjax.models.llama.cache import init_cache
-from kvjax.prefix.layouts.llama import forms_for
+from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
 from kvjax.errors import StaleLease
 from kvjax.prefix.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
-from kvjax.cache.toy_model import toy_config, toy_model
+from builders import toy_config, toy_model
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.decode import steps
 
@@ -32,7 +32,7 @@ def new_cache(model, **kw):
 
 def cold(model, prompt):
     cache = init_cache(model.config, 1, CAP)
-    logits, _ = steps.prefill(model.params, model.config, cache, prompt, chunk=CHUNK)
+    logits, _ = steps.prefill(model, cache, prompt, chunk=CHUNK)
     return np.asarray(logits)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kvjax
-from hf_models import FAMILIES
+from builders import HF_FAMILIES
 from kvjax.models.llama.cache import init_cache
 from kvjax.decode import steps
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 PROMPT_LEN = 70  # several sliding windows (W = 16) and not a multiple of anything
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(HF_FAMILIES))
 def test_prefill_logits_match_transformers(hf_model_dir, name):
     hf, path = hf_model_dir(name)
     model = kvjax.load(path)
@@ -43,7 +43,7 @@ def test_chunked_prefill_matches_unchunked(hf_model_dir, name):
     last = {}
     for chunk in (7, 16, 33):
         cache = init_cache(model.config, 1, 256)
-        lg, _ = steps.prefill(model.params, model.config, cache, ids, chunk=chunk)
+        lg, _ = steps.prefill(model, cache, ids, chunk=chunk)
         last[chunk] = np.asarray(lg)
         np.testing.assert_allclose(last[chunk], full[-1], atol=1e-5, rtol=0)
 
@@ -55,8 +55,8 @@ def test_cached_decode_matches_full_forward(hf_model_dir, name):
     ids = np.random.RandomState(4).randint(0, model.config.vocab_size, size=50)
     full = kvjax.logits(model, ids)
     cache = init_cache(model.config, 1, 256)
-    _, cache = steps.prefill(model.params, model.config, cache, ids[:10])
+    _, cache = steps.prefill(model, cache, ids[:10])
     for t in range(10, 50):  # one token at a time, across several window boundaries
         lg, cache = steps.forward_step(model.params, model.config, cache, jnp.asarray([[ids[t]]]),
-                                       jnp.asarray([1], jnp.int32))
+                                       jnp.asarray([1], jnp.int32), family=model.family, impl=model.attention)
         np.testing.assert_allclose(np.asarray(lg[0, 0]), full[t], atol=1e-5, rtol=0)

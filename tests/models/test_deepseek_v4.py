@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_deepseek_v4_models import hf_logits, make_v4
+from builders import hf_logits, make_v4
 
 import kvjax
 from kvjax.models.deepseek_v4.cache import init_cache
 from kvjax.errors import UnsupportedConfigError
 from kvjax.models import deepseek_v4
-from kvjax.models.deepseek_v4 import api_old as deepseek_v4_api
+from kvjax.decode import steps
 from kvjax.models.layer_types import CSA, HCA
 from kvjax.models.deepseek_v4.config import config_from_hf, hf_config_dict
 from kvjax.models.deepseek_v4.weights import (init_params, merge_params, params_from_tensors, params_to_tensors,
@@ -76,8 +76,8 @@ def test_api_logits_and_generate(hybrid):
 def test_prompt_over_capacity_raises(hybrid):
     _, model = hybrid
     cache = init_cache(model.config, 1, 16)
-    with pytest.raises(ValueError, match="do not fit"):
-        deepseek_v4_api.prefill(model.params, model.config, cache, np.zeros(17, np.int32))
+    with pytest.raises(ValueError, match="does not fit"):
+        steps.prefill(model, cache, np.zeros(17, np.int32))
 
 
 def _hf_dict():
@@ -177,7 +177,6 @@ def test_init_params_train_step_is_differentiable(hybrid):
 def test_training_config_exports_a_checkpoint_transformers_runs(tmp_path):
     """config_for_training -> init_params -> params_to_tensors + hf_config_dict: transformers loads it and computes
     the same logits as kvjax (the path scripts/train_tiny.py ships a trained hybrid checkpoint by)."""
-    import torch
     from safetensors.numpy import save_file
     from transformers import DeepseekV4ForCausalLM
 

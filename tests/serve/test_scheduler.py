@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import compile_count
 from kvjax import load
 from kvjax.cache.draft import DraftCache
 from kvjax.compress import make_compressor
-from kvjax.decode import rounds as draft_steps
+from kvjax.decode import verify
+from kvjax.serve import requests
 from kvjax.serve import vericache_scheduler as sch
 from kvjax.serve import batch_steps as ss
 from kvjax.decode import vericache as vc
@@ -32,10 +32,10 @@ def _requests(model, n=6, seed=0, lengths=(100,), prefill_first=3):
     reqs = []
     for i in range(n):
         P = lengths[i % len(lengths)]
-        r = sch.Request(prompt=rng.integers(0, 97, P).astype(np.int32), max_new_tokens=int(rng.integers(9, 21)),
+        r = requests.Request(prompt=rng.integers(0, 97, P).astype(np.int32), max_new_tokens=int(rng.integers(9, 21)),
                         arrival=max(i - 1, 0))
         if i < prefill_first:  # host-resident prefilled caches (prefix-cache hits); the rest prefill on admission
-            r.prefilled = sch.prefill_request(model, r.prompt, r.max_new_tokens, draft_len=X)
+            r.prefilled = requests.prefill_request(model, r.prompt, r.max_new_tokens, draft_len=X)
         reqs.append(r)
     return reqs
 
@@ -103,11 +103,11 @@ def test_sliding_model_kivi_mixed_lengths_exact(hf_model_dir):
     assert res.stats["slots"] == 2
 
 
-def test_no_recompiles_when_warm(llama, workload):
+def test_no_recompiles_when_warm(llama, workload, compile_count):
     reqs, refs, F = workload
     s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, compressor_kw=dict(ratio=4.0))
     s.run(reqs[:3])  # warm (the parametrized test above usually compiled these already)
-    fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, draft_steps.verify_offloaded)
+    fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, verify.verify_offloaded)
     before = [compile_count(f) for f in fns]
     res = s.run(reqs)
     _check_exact(res, refs)
@@ -149,10 +149,10 @@ def test_sampled_two_verify_slots_exact(llama, workload):
     """Position-keyed sampling (temperature > 0) is exact too; with two verification slots the next request's full
     cache is copied while the current one verifies, and the measured peak still stays within the budget."""
     reqs, _, F = workload
-    reqs = [sch.Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, arrival=r.arrival, seed=7 + i)
+    reqs = [requests.Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, arrival=r.arrival, seed=7 + i)
             for i, r in enumerate(reqs[:4])]
     for r in reqs[:2]:  # the prefill samples the first token: same temperature and seed as the run
-        r.prefilled = sch.prefill_request(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8,
+        r.prefilled = requests.prefill_request(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8,
                                           seed=r.seed)
     refs = [vc.reference_decode(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8, seed=r.seed)
             for r in reqs]

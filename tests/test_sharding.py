@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from builders import REPO
 
 MESHES = ((2, 2), (4, 1), (4, 2))  # (tp, dp); the tiny model has 4 query heads, 4 kv heads, intermediate 96
 VC_MESH = (4, 2)  # all 8 devices
@@ -48,10 +49,10 @@ def _mesh_report(model_dir: str) -> dict:
 
     def run(m, mesh):
         cache = init_cache(cfg, B, cap) if mesh is None else shd.init_sharded_cache(cfg, B, cap, mesh)
-        pre, cache = steps.forward_step(m.params, cfg, cache, prompts, n_valid)
+        pre, cache = steps.forward_step(m.params, cfg, cache, prompts, n_valid, family=m.family, impl=m.attention)
         first = jnp.argmax(jnp.take_along_axis(pre, (n_valid - 1)[:, None, None], axis=1)[:, 0], -1)
-        toks, cache = steps.greedy_decode(m.params, cfg, cache, first.astype(jnp.int32), num_steps=n_dec)
-        step, cache = steps.forward_step(m.params, cfg, cache, toks[:, -1:], ones)
+        toks, cache = steps.decode(m.params, cfg, cache, first.astype(jnp.int32), jnp.zeros((first.astype(jnp.int32)).shape, jnp.int32), num_steps=n_dec, family=m.family, impl=m.attention)
+        step, cache = steps.forward_step(m.params, cfg, cache, toks[:, -1:], ones, family=m.family, impl=m.attention)
         ok = None
         if mesh is not None:  # the returned cache keeps batch on "dp", kv heads on "tp" (propagated, not gathered)
             want = NamedSharding(mesh, P(shd.DP if mesh.shape[shd.DP] > 1 else None, shd.TP, None, None))
@@ -109,9 +110,9 @@ def _multihost_run(model_dir: str, process_id: int, num_processes: int, port: in
     cache = shd.init_sharded_cache(cfg, B, 256, mesh)
     toks = shd.place(prompts, NamedSharding(mesh, P(shd.DP, None)))
     n_valid = shd.place(np.asarray([T, T - 7], np.int32), NamedSharding(mesh, P(shd.DP)))
-    logits, cache = steps.forward_step(sm.params, cfg, cache, toks, n_valid)
+    logits, cache = steps.forward_step(sm.params, cfg, cache, toks, n_valid, family=sm.family, impl=sm.attention)
     first = jnp.argmax(logits[:, T - 8], -1).astype(jnp.int32)
-    gen, cache = steps.greedy_decode(sm.params, cfg, cache, first, num_steps=6)
+    gen, cache = steps.decode(sm.params, cfg, cache, first, jnp.zeros((first).shape, jnp.int32), num_steps=6, family=sm.family, impl=sm.attention)
     res = dict(processes=jax.process_count(), devices=len(jax.devices()), local=len(jax.local_devices()),
                logits=shd.to_numpy(logits).tolist(), tokens=shd.to_numpy(gen).tolist())
     if jax.process_index() == 0:
@@ -207,7 +208,7 @@ def test_mesh_rules_fail_loudly():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+    sys.path.insert(0, REPO)
     if sys.argv[1] == "multihost":
         _multihost_run(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:

@@ -5,13 +5,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_deepseek_v4_models import make_v4
+from builders import make_v4
 
 import kvjax
 from kvjax.prefix.layouts import deepseek_v4 as hybrid_layout
+from kvjax.decode import steps
 from kvjax.prefix import tiers
 from kvjax.prefix.identity import make_namespace
-from kvjax.prefix.layouts.llama import forms_for
+from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
 from kvjax.prefix.prefill import generate_with_prefix_cache, model_namespace, prefill_with_prefix_cache
 
@@ -41,7 +42,7 @@ def test_hit_equals_cold_around_block_and_compression_boundaries(v4):
     base = rng.integers(0, 97, 48).astype(np.int32)
     pc = new_cache(v4)
     prefill_with_prefix_cache(v4, base, pc, capacity=256, chunk=CHUNK)
-    fns = [hybrid_layout._restore, hybrid_layout._blocks, hybrid_layout._snapshot, hybrid_layout._v4_step,
+    fns = [hybrid_layout._restore, hybrid_layout._blocks, hybrid_layout._snapshot, steps.prefill_chunk,
            tiers._pool_gather, tiers._pool_put, tiers.take_one]
     before = None
     for i, shared in enumerate([3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 48]):

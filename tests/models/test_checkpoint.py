@@ -9,8 +9,9 @@ import pytest
 
 import kvjax
 from kvjax.checkpoint import restore_orbax
+from builders import CHECKPOINTS
 
-CKPT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kvjax-code-tiny")
+CKPT = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from kvjax.prefix.identity import ROOT_KEY, block_key, block_keys, make_namespace, weights_fingerprint
-from kvjax.prefix.layouts.llama import check_block_size, forms_for
+from kvjax.families import forms_for
+from kvjax.prefix.layouts.llama import check_block_size
 from kvjax.prefix.manager import PrefixCache
 from kvjax.prefix.prefill import model_namespace, prefill_with_prefix_cache
-from kvjax.cache.toy_model import toy_config, toy_model
+from builders import toy_config, toy_model
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.models.rope import RopeConfig
 

@@ -11,8 +11,9 @@ import pytest
 
 from kvjax.data import corpus
 from kvjax.tokenizer import Tokenizer
+from builders import CHECKPOINTS
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kvjax-code-tiny")
+SHIPPED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",

@@ -10,8 +10,9 @@ import pytest
 
 from kvjax.data import corpus
 from kvjax.tokenizer import Tokenizer
+from builders import CHECKPOINTS
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kvjax-code-tiny")
+SHIPPED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
 
 
 @pytest.fixture(scope="module", autouse=True)

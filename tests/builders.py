@@ -1,0 +1,183 @@
+"""Shared builders of the test suite (not a test module): tiny random Hugging Face models made with transformers,
+tiny random kvjax models with no files, and the compile counter. `conftest.py` wraps them as fixtures; modules that
+need them at import time (parametrize lists, hypothesis state machines) import this module."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.families.llama import LLAMA
+from kvjax.model import Model
+from kvjax.models.layer_types import FULL, SLIDING
+from kvjax.models.llama.config import ModelConfig
+from kvjax.models.rope import RopeConfig
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # the repository root
+CHECKPOINTS = os.path.join(REPO, "checkpoints")
+
+HF_FAMILIES = {
+    "llama": dict(model_type="llama", num_key_value_heads=2,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64)),
+    "llama_tied_linear": dict(model_type="llama", num_key_value_heads=4, tie_word_embeddings=True,
+                              rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "llama_yarn": dict(model_type="llama", num_key_value_heads=1,
+                       rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                  max_window_layers=1),
+    "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=16),
+}
+
+
+def make_hf_model(tmpdir: str, name: str, seed: int = 0):
+    """Create, save and return (transformers model, directory) for a tiny random config of family `name`."""
+    import torch
+    import transformers
+
+    spec = dict(HF_FAMILIES[name])
+    model_type = spec.pop("model_type")
+    cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, eos_token_id=None,
+                bos_token_id=None, pad_token_id=None)
+    base.update(spec)
+    cfg = cfg_cls(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    # larger-than-default init so attention patterns are not flat
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 1:
+                p.normal_(0, 0.08 if p.ndim > 1 else 0.3)
+                if p.ndim == 1:
+                    p.add_(1.0)
+    d = os.path.join(tmpdir, name)
+    model.save_pretrained(d)
+    return model, d
+
+
+def toy_config(layer_types=(FULL, SLIDING, FULL), *, window: int | None = 16, vocab: int = 97, hidden: int = 64,
+               heads: int = 4, kv_heads: int = 2, head_dim: int = 16, theta: float = 10000.0,
+               max_pos: int = 1 << 17) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_layers=len(layer_types), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       rms_norm_eps=1e-5, rope=RopeConfig(theta=theta), layer_types=tuple(layer_types),
+                       sliding_window=window if SLIDING in layer_types else None, max_position_embeddings=max_pos)
+
+
+def toy_model(config: ModelConfig | None = None, seed: int = 0, scale: float = 0.08) -> Model:
+    """Random params in kvjax's layout (matrices [in, out]); larger-than-default init so attention is not flat."""
+    c = config or toy_config()
+    H, I, N, K, D, V = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 10 * c.num_layers + 4))
+
+    def w(*shape):
+        return jax.random.normal(next(keys), shape, jnp.float32) * scale
+
+    def norm(n):
+        return 1.0 + 0.3 * jax.random.normal(next(keys), (n,), jnp.float32)
+
+    layers = tuple(dict(attn_norm=norm(H), wq=w(H, N * D), wk=w(H, K * D), wv=w(H, K * D), wo=w(N * D, H),
+                        mlp_norm=norm(H), w_gate=w(H, I), w_up=w(H, I), w_down=w(I, H)) for _ in range(c.num_layers))
+    params = dict(embed=w(V, H) * 10, final_norm=norm(H), lm_head=w(H, V), layers=layers)
+    return Model(config=c, params=params, family=LLAMA)
+
+
+def compile_count(jitted) -> int:
+    """How many executables a jitted function holds (STYLE.md habit 6)."""
+    return jitted._cache_size()
+
+
+# ---------------------------------------------------------------- tiny random DeepSeek-V4 models (transformers)
+
+# Every layer type (sliding / CSA / HCA), hash-routed and top-k MoE, yarn "compress" rope; m = 4, m' = 8, W = 8.
+# index_topk = 3 is below the number of complete CSA entries for prompts over 16 tokens, so the indexer really selects.
+# 16 indexer heads make exact ReLU score ties (all heads zero) improbable, so transformers' unspecified top-k tie
+# order does not enter the parity test (the tie rule is tested separately).
+V4_SPECS = {
+    "hybrid": dict(
+        vocab_size=97, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
+        partial_rotary_factor=0.25, hc_mult=2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=None),
+    # Other switches: tied embeddings, sigmoid router scores, plain compress rope, one output group, hc_mult 3,
+    # HCA first (the V4 default order), CSA with m = 2 and a window of 12. One indexer head: scores are
+    # w * relu(q . k), so every entry with q . k <= 0 (or with a negative head weight) ties at 0 and top-k ties
+    # decide the selection everywhere.
+    "variant": dict(
+        vocab_size=89, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,
+        head_dim=24, q_lora_rank=32, num_experts_per_tok=3, n_routed_experts=5, scoring_func="sigmoid",
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        sliding_window=12, o_groups=1, o_lora_rank=20, index_n_heads=1, index_head_dim=8, index_topk=4,
+        partial_rotary_factor=1 / 3, hc_mult=3, hc_sinkhorn_iters=7, tie_word_embeddings=True,
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def make_v4(name: str = "hybrid", seed: int = 0):
+    """(transformers model in eval mode, saved directory) for the tiny config `name`, random weights of useful size."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    # one torch thread: on a shared 2-core machine, torch's thread pool made each tiny forward ~100x slower
+    torch.set_num_threads(1)
+    cfg = DeepseekV4Config(**V4_SPECS[name])
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.normal_(0, 0.08 if p.ndim > 1 else 0.3)
+            if p.ndim == 1 and ("norm" in n or "scale" in n):
+                p.add_(1.0)
+        for n, b in model.named_buffers():
+            if n.endswith("tid2eid"):
+                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape))
+            elif n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    d = os.path.join(tempfile.mkdtemp(prefix="kvjax_v4_"), name)
+    model.save_pretrained(d)
+    return model, d
+
+
+def hf_logits(model, ids: np.ndarray, *, lowest_index_ties: bool = False) -> np.ndarray:
+    """transformers' uncached full forward: logits f32[T, V] for one sequence.
+
+    lowest_index_ties: run it with `Tensor.topk` (the indexer's selection; the router calls `torch.topk`) replaced by
+    a stable sort, so ties go to the lowest index as in kvjax — torch leaves their order unspecified.
+    """
+    import collections
+
+    import torch
+
+    topk = torch.Tensor.topk
+    if lowest_index_ties:
+        TopK = collections.namedtuple("TopK", "values indices")
+
+        def stable_topk(self, k, dim=-1, largest=True, sorted=True):
+            assert largest
+            v, i = torch.sort(self, dim=dim, descending=True, stable=True)
+            return TopK(v.narrow(dim, 0, k), i.narrow(dim, 0, k))
+
+        torch.Tensor.topk = stable_topk
+    try:
+        with torch.no_grad():
+            return model(torch.tensor(np.asarray(ids)[None], dtype=torch.long), use_cache=False).logits[0].numpy()
+    finally:
+        torch.Tensor.topk = topk
