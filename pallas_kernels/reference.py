@@ -113,11 +113,11 @@ def compressed_reference(q, k, v, q_pos, *, ratio, scale=None, sinks=None):
     return masked_softmax_attention(q, k, v, vis, scale=scale, sinks=sinks)
 
 
-def sparse_reference(q, k, v, indices, *, scale=None, sinks=None):
+def sparse_reference(q, k, v, indices, *, scale=None, sinks=None, return_stats=False):
     """Kernel 5: each query attends to the entries `indices[b, t, :]` of `[B, K, E, D]`; -1 marks an invalid pick."""
     idx = jnp.maximum(indices, 0)  # [B, T, P]
     gather = jax.vmap(lambda kb, ib: kb[:, ib])  # [K, E, D], [T, P] -> [K, T, P, D]
     kg = gather(k, idx)
     vg = None if v is None else gather(v, idx)
     vis = (indices >= 0)[:, None]  # [B, 1, T, P]
-    return masked_softmax_attention(q, kg, vg, vis, scale=scale, sinks=sinks)
+    return masked_softmax_attention(q, kg, vg, vis, scale=scale, sinks=sinks, return_stats=return_stats)

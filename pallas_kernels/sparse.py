@@ -56,7 +56,8 @@ def _kernel(*refs, block_k, n_picks, kv_shared, scale, checked):
     l_ref[...] = l
 
 
-def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation=None, block_k=32):
+def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation=None, block_k=32,
+                     return_stats=False):
     """Attention of each query over its own top-k entries.
 
     Args:
@@ -67,13 +68,15 @@ def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation
         scale: default D ** -0.5; sinks: f32[N] or None.
         implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
         block_k: picks per loop step (static).
+        return_stats: return un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])` for
+            `online_softmax.combine` with other parts of the cache (sinks are then the caller's to add).
 
     Returns:
         [B, T, N, D] in q's dtype; a query with no valid pick (and no sink) gets zeros.
     """
     impl = resolve(implementation)
     if impl == "xla":
-        return ref.sparse_reference(q, k, v, indices, scale=scale, sinks=sinks)
+        return ref.sparse_reference(q, k, v, indices, scale=scale, sinks=sinks, return_stats=return_stats)
     B, T, N, D = q.shape
     K, E = k.shape[1], k.shape[2]
     G = N // K
@@ -116,6 +119,10 @@ def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation
         compiler_params=compiler_params(interpret),
         name="kvjax_sparse",
     )(*args)
+    if return_stats:  # [B, K, T, R, ...] -> the public [B, T, N, ...] layout, padding rows and channels dropped
+        o_q = jnp.transpose(o[:, :, :, :G, :D], (0, 2, 1, 3, 4)).reshape(B, T, N, D)
+        to_q = lambda a: jnp.transpose(a[:, :, :, :G], (0, 2, 1, 3)).reshape(B, T, N)  # noqa: E731
+        return o_q, to_q(m), to_q(l)
     sink_rows = None
     if sinks is not None:
         sink_rows = jnp.pad(sinks.astype(jnp.float32).reshape(K, 1, G), ((0, 0), (0, 0), (0, R - G)),

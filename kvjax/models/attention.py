@@ -230,3 +230,84 @@ def canonical_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None, imple
     vc = jnp.zeros_like(v).at[b, :, slot].set(jnp.swapaxes(v, 1, 2), mode="drop")
     pc = jnp.full((B, S), -1, jnp.int32).at[b, slot].set(k_pos, mode="drop")
     return attention(q, kc, vc, q_pos, pc, window=window, scale=scale, implementation=implementation)
+
+
+# ---------------------------------------------------------------- parts with sinks and per-query sparse parts
+# DeepSeek-V4's attention: one softmax over a sliding window, compressed entries (HCA) and each query's own top-k
+# entries (CSA), with a learned per-head sink logit in the denominator. Each part yields un-normalised statistics
+# through the dispatcher (kernel 0 / kernel 5 with `return_stats=True` on Pallas, `attend_stats` / `sparse_stats` on
+# XLA); `combine` merges them and `finalize` adds the sinks, so the parts are never concatenated.
+
+
+def sparse_stats(q, k, v, indices, *, scale=None):
+    """XLA statistics of each query over its own picked entries: gather, then `attend_stats`' masked softmax.
+
+    Args:
+        q: [B, T, N, D]; k, v: [B, K, E, D] entries (v None: keys are the values); indices: i32[B, T, P] entry per
+            pick (shared by the heads), -1 = no pick.
+
+    Returns:
+        un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])`.
+    """
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    G = N // K
+    scale = D**-0.5 if scale is None else scale
+    safe = jnp.maximum(indices, 0)  # -1 picks read entry 0 and are masked
+    gather = jax.vmap(lambda kb, ib: kb[:, ib])  # [K, E, D], [T, P] -> [K, T, P, D]
+    kg = gather(k, safe)
+    vg = kg if v is None else gather(v, safe)
+    qg = q.reshape(B, T, K, G, D)
+    s = jnp.einsum("BTKGD,BKTPD->BKGTP", qg, kg.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    mask = (indices >= 0)[:, None, None]  # [B, 1, 1, T, P]
+    s = jnp.where(mask, s, MASK_VALUE)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("BKGTP,BKTPD->BKGTD", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
+    to_q = lambda a: jnp.transpose(a, (0, 3, 1, 2, 4)).reshape(B, T, N, a.shape[-1])  # noqa: E731
+    return to_q(o), to_q(m)[..., 0], to_q(l)[..., 0]
+
+
+def part_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, implementation=None):
+    """Un-normalised `(o, m, l)` of one position-masked part through the dispatcher (v None: keys are the values)."""
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return attend_stats(q, k, k if v is None else v, q_pos, k_pos, window=window, scale=scale)
+    return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl,
+                                 return_stats=True)
+
+
+def sparse_part_stats(q, k, v, indices, *, scale=None, implementation=None):
+    """Un-normalised `(o, m, l)` of a per-query sparse part (kernel 5 on Pallas, `sparse_stats` on XLA)."""
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "xla":
+        return sparse_stats(q, k, v, indices, scale=scale)
+    return pallas_kernels.sparse_attention(q, k, v, indices, scale=scale, implementation=impl, return_stats=True)
+
+
+def attention_merged(q: jax.Array, q_pos: jax.Array, *, parts=(), sparse_parts=(), sinks: jax.Array | None = None,
+                     scale: float | None = None, implementation: str | None = None) -> jax.Array:
+    """One softmax over several cache parts, position-masked and per-query sparse, with optional per-head sinks.
+
+    Args:
+        q: [B, T, N, D] queries at positions q_pos i32[B, T].
+        parts: (k [B, K, S_i, D], v or None (keys are the values), pos i32[B, S_i] or [B, K, S_i], window or None)
+            each: key visible iff 0 <= pos <= q_pos (and pos > q_pos - window).
+        sparse_parts: (k [B, K, E, D], v or None, indices i32[B, T, P]) each: query t sees entries indices[b, t]
+            (-1 = none).
+        sinks: f32[N] sink logits (join the denominator, carry no value) or None.
+        scale: default D ** -0.5; implementation: as `attention`.
+
+    Returns:
+        [B, T, N, D] in q's dtype; a row with nothing visible and no sink is zeros.
+    """
+    stats = [part_stats(q, k, v, q_pos, pos, window=w, scale=scale, implementation=implementation)
+             for k, v, pos, w in parts]
+    stats += [sparse_part_stats(q, k, v, idx, scale=scale, implementation=implementation)
+              for k, v, idx in sparse_parts]
+    if len(stats) == 1:
+        o, m, l = stats[0]
+    else:
+        o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
+    return pallas_kernels.finalize(o, m, l, sinks).astype(q.dtype)

@@ -1,5 +1,6 @@
-"""Stateless DeepSeek-V4 building blocks: norms, interleaved partial RoPE, hyper-connections, MoE, window pooling,
-sink attention. Each follows transformers 5.24 `modeling_deepseek_v4.py` (the definition); quirks are noted inline.
+"""Stateless DeepSeek-V4 building blocks: norms, interleaved partial RoPE, hyper-connections, MoE, window pooling.
+Each follows transformers 5.24 `modeling_deepseek_v4.py` (the definition); quirks are noted inline. Attention itself
+(window, HCA, CSA parts with sinks) goes through the dispatcher, `kvjax.models.attention.attention_merged`.
 """
 
 from __future__ import annotations
@@ -138,37 +139,3 @@ def pool_windows(win_kv: jax.Array, win_gate: jax.Array, slot_ok: jax.Array, bia
     w = jax.nn.softmax(g, axis=2)
     w = jnp.where(slot_ok[..., None], w, 0.0)
     return jnp.sum(win_kv * w.astype(win_kv.dtype), axis=2)
-
-
-def sink_attention(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array, scale: float,
-                   q_keys: jax.Array | None = None, q_mask: jax.Array | None = None) -> jax.Array:
-    """Single-head shared K=V attention with one learned sink logit per query head (f32 softmax).
-
-    Args:
-        q: [B, T, N, D] queries.
-        keys: [B, S, D] keys shared by all queries (they are also the values); mask: bool[B, T, S].
-        sinks: [N] sink logits: they join the softmax denominator and contribute no value.
-        scale: logit scale.
-        q_keys: optional per-query keys [B, T, P, D] (e.g. the top-k compressed entries of CSA); q_mask: bool[B, T, P].
-
-    Returns:
-        [B, T, N, D] in q's dtype.
-    """
-    s = jnp.einsum("BTND,BSD->BTNS", q, keys, preferred_element_type=F32) * scale
-    m1 = mask[:, :, None, :]
-    s = jnp.where(m1, s, MASK_VALUE)
-    mx = jnp.maximum(jnp.max(s, axis=-1), sinks.astype(F32)[None, None, :])  # [B, T, N]
-    if q_keys is not None:
-        s2 = jnp.einsum("BTND,BTPD->BTNP", q, q_keys, preferred_element_type=F32) * scale
-        m2 = q_mask[:, :, None, :]
-        s2 = jnp.where(m2, s2, MASK_VALUE)
-        mx = jnp.maximum(mx, jnp.max(s2, axis=-1))
-    mx = jax.lax.stop_gradient(mx)
-    p = jnp.where(m1, jnp.exp(s - mx[..., None]), 0.0)
-    den = jnp.sum(p, axis=-1) + jnp.exp(sinks.astype(F32)[None, None, :] - mx)
-    o = jnp.einsum("BTNS,BSD->BTND", p.astype(keys.dtype), keys, preferred_element_type=F32)
-    if q_keys is not None:
-        p2 = jnp.where(m2, jnp.exp(s2 - mx[..., None]), 0.0)
-        den = den + jnp.sum(p2, axis=-1)
-        o = o + jnp.einsum("BTNP,BTPD->BTND", p2.astype(q_keys.dtype), q_keys, preferred_element_type=F32)
-    return (o / den[..., None]).astype(q.dtype)

@@ -11,7 +11,8 @@ Per attention layer (transformers 5.24 `DeepseekV4Attention` is the definition):
 - every layer attends to its sliding window (the last `W` positions, itself included); CSA/HCA layers add compressed
   entries: HCA all complete entries `w < (t + 1) // m'`; CSA the lightning indexer's top-`index_topk` complete entries.
   Sliding layers use the "main" rope, CSA/HCA layers (and their compressors and indexer) the "compress" rope.
-- softmax with a learned per-head sink logit; the output's rope slice is rotated back by the query position; grouped
+- softmax with a learned per-head sink logit, over the window, HCA entries and CSA's picks as separate parts merged by
+  the attention dispatcher (`kvjax.models.attention.attention_merged`: kernels 0 and 5 on Pallas); the output's rope slice is rotated back by the query position; grouped
   low-rank output projection (`wo_a` per head group, then `wo_b`).
 Around each block, hyper-connections (hc streams, Sinkhorn-projected mixing); the MLP is routed MoE (hash-routed in
 `hash_moe` layers) plus one shared expert.
@@ -42,8 +43,9 @@ from kvjax.cache.hybrid import CompressedKV, HybridCache, IndexerState, LayerSta
 from kvjax.models.deepseek_v4.cache import init_cache
 from kvjax.models.layer_types import CSA, SLIDING
 from kvjax.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config, hash_table
+from kvjax.models.attention import attention_merged
 from kvjax.models.deepseek_v4.layers import (apply_rope, hyper_head, hyper_merge, hyper_weights, moe, pool_windows,
-    rms_norm, rope_tables, sink_attention)
+    rms_norm, rope_tables)
 
 Params = dict[str, Any]
 
@@ -94,7 +96,8 @@ def _indexer(p: Params, config: DeepseekV4Config, state: IndexerState, h, q_res,
     return IndexerState(keys=keys, tail=tail), idx, ok
 
 
-def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState, h, positions, n_valid):
+def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState, h, positions, n_valid,
+               implementation: str | None):
     """One attention block. h: [B, T, H] normalised input. Returns (out [B, T, H], new LayerState)."""
     B, T, _ = h.shape
     N, D, W, eps = config.num_heads, config.head_dim, config.sliding_window, config.rms_norm_eps
@@ -118,26 +121,28 @@ def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState
     b = jnp.arange(B)[:, None]
     keys = jnp.zeros_like(keys).at[b, slot].set(keys, mode="drop")
     kpos = jnp.full((B, S_w), -1, jnp.int32).at[b, slot].set(kpos, mode="drop")
-    qp = positions[:, :, None]
-    mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - W)
+    # one shared K = V head: every part is [B, 1, S, D] with v None (kernels read it once)
+    parts = [(keys[:, None], None, kpos, W)]
+    sparse = []
     new = LayerState(window=win.write(kv, n_valid))
-    q_keys = q_mask = None
     if kind != SLIDING:
         m = config.rate(kind)
         comp, tail = _compress(p["compressor"], config, state.compressed, state.tail, h, n_valid)
-        ready = (positions + 1) // m  # entries whose window ended at or before each query
+        entries = comp.entries.astype(kv.dtype)[:, None]
         if kind == CSA:
             present = None if comp.keep is None else comp.keep
-            indexer, idx, q_mask = _indexer(p["indexer"], config, state.indexer, h, q_res, positions, n_valid, present)
-            q_keys = jnp.take_along_axis(comp.entries.astype(kv.dtype)[:, None], idx[..., None], axis=2)
+            indexer, idx, ok = _indexer(p["indexer"], config, state.indexer, h, q_res, positions, n_valid, present)
+            sparse.append((entries, None, jnp.where(ok, idx, -1)))
             new = LayerState(window=new.window, compressed=comp, tail=tail, indexer=indexer)
         else:
+            # HCA: entry w is keyed by the last source position it pools, (w + 1) * m - 1, so the position mask
+            # `pos <= t` is the causal rule w < (t + 1) // m; entries a draft copy dropped get -1
             C = comp.entries.shape[1]
-            keys = jnp.concatenate([keys, comp.entries.astype(kv.dtype)], axis=1)
-            seen = (jnp.arange(C)[None, None, :] < ready[:, :, None]) & comp.visible()[:, None, :]
-            mask = jnp.concatenate([mask, seen], axis=2)
+            epos = (jnp.arange(C, dtype=jnp.int32)[None, :] + 1) * m - 1
+            parts.append((entries, None, jnp.where(comp.visible(), epos, -1), None))
             new = LayerState(window=new.window, compressed=comp, tail=tail)
-    out = sink_attention(q, keys, mask, p["sinks"], D**-0.5, q_keys, q_mask)
+    out = attention_merged(q, positions, parts=parts, sparse_parts=sparse, sinks=p["sinks"].astype(jnp.float32),
+                           scale=D**-0.5, implementation=implementation)
     # K = V carries rope on its trailing slice: rotate the output back by the query position
     out = apply_rope(out, cos[:, :, None], -sin[:, :, None])
     G = config.o_groups
@@ -155,13 +160,13 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
         cache: state before these tokens; new tokens take positions `cache.length + t`.
         tokens: i32[B, T] token ids (rows beyond `n_valid` are padding and change nothing).
         n_valid: i32[B] real tokens per row (default: all T).
-        implementation: attention implementation (see `kvjax.models.attention`).
+        implementation: attention implementation (see `kvjax.models.attention`); every part of every layer's
+            attention goes through its dispatcher.
         return_hidden: also return the final normalised hidden states [B, T, H].
 
     Returns:
         (logits f32[B, T, V], new cache) — and hidden states when asked.
     """
-    del implementation  # the sink attention below is jnp; routing it through the dispatcher is pending
     B, T = tokens.shape
     if n_valid is None:
         n_valid = jnp.full((B,), T, jnp.int32)
@@ -175,7 +180,8 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
     for lp, state, kind, mlp_kind in zip(params["layers"], cache.layers, config.layer_types,
                                          config.mlp_layer_types):
         post, comb, col = hyper_weights(lp["hc_attn"], x, **hck)
-        a, state = _attention(lp["attn"], config, kind, state, rms_norm(col, lp["attn_norm"], eps), positions, n_valid)
+        a, state = _attention(lp["attn"], config, kind, state, rms_norm(col, lp["attn_norm"], eps), positions, n_valid,
+                              implementation)
         x = hyper_merge(post, comb, a, x)
         post, comb, col = hyper_weights(lp["hc_ffn"], x, **hck)
         ffn = lp["ffn"]
