@@ -83,7 +83,7 @@ def test_attention_parts_equals_one_cache(implementation):
 
 
 
-@pytest.mark.parametrize("checkpoint", ["kvjax-code-tiny"])
+@pytest.mark.parametrize("checkpoint", ["kvjax-code-tiny", "kvjax-hybrid-tiny"])
 def test_bundled_model_full_draft_and_verify_pallas_interpret_match_xla(checkpoint):
     """On a GPU the Pallas kernels serve every step of a bundled model: prefill, one-token decode, a draft step and
     a verify round, run with `attention="pallas_interpret"`, match the XLA path."""
