@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvjax.families.base import Family
-from kvjax.models.deepseek_v4 import cache, config, draft, model, verify, weights
+from kvjax.models.deepseek_v4 import cache, config, draft, model, offload, verify, weights
 from kvjax.models.deepseek_v4.config import DeepseekV4Config
 from kvjax.prefix.layouts.deepseek_v4 import HybridForms
 
@@ -27,5 +27,8 @@ DEEPSEEK_V4 = Family(
     draft_join=draft.draft_join,
     compressor=draft.make_compressor,
     compressors=draft.COMPRESSORS,
+    offload_split=offload.offload_split,
+    offload_join=offload.offload_join,
+    offload_update=offload.offload_update,
     prefix_layout=HybridForms,
 )

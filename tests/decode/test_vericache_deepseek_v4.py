@@ -1,6 +1,7 @@
 """VeriCache on DeepSeek-V4 through the one engine: drafts from a lossy copy (compressed entries and indexer keys
 dropped / quantized, updated incrementally after each verify), the full hybrid state verifies; tokens AND logits equal
-the verify-shape reference decoder bit for bit, greedy and sampled, with the same arguments and stats keys as Llama."""
+the verify-shape reference decoder bit for bit, greedy and sampled, resident and offloaded, with the same arguments
+and stats keys as Llama."""
 
 from __future__ import annotations
 
@@ -44,25 +45,29 @@ def test_verify_rows_bitwise_equal_reference_row0(model):
         np.testing.assert_array_equal(np.asarray(lg[0, j]), ref_rows[j])
 
 
-@pytest.mark.parametrize("comp,kw,temperature,rejection", [
-    ("dropquant", dict(ratio=8.0, sinks=0, bits=2), 0.0, False),
-    ("streaming", {}, 0.0, False),
-    ("kivi4", {}, 0.8, False),
-    ("streaming", {}, 1.0, True),
+@pytest.mark.parametrize("comp,kw,temperature,rejection,offload", [
+    ("dropquant", dict(ratio=8.0, sinks=0, bits=2), 0.0, False, False),
+    ("streaming", {}, 0.0, False, False),
+    ("kivi4", {}, 0.8, False, False),
+    ("streaming", {}, 1.0, True, False),
+    # offloaded: the prompt's compressed entries and indexer keys in pinned host memory between verifications
+    ("streaming", {}, 0.0, False, True),
+    ("kivi4", {}, 0.8, False, True),
 ])
-def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejection):
+def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejection, offload):
     ids = _ids(model)
     ref, ref_logits = kvjax.reference_decode(model, ids, NEW, draft_len=4, temperature=temperature, seed=3,
                                              return_logits=True)
     out, stats, logits = kvjax.generate_vericache(model, ids, NEW, compressor=comp, compressor_kw=kw, draft_len=4,
                                                   temperature=temperature, seed=3, rejection=rejection,
-                                                  return_logits=True)
+                                                  offload=offload, return_logits=True)
     if not rejection:  # rejection sampling preserves the distribution, not the token sequence
         np.testing.assert_array_equal(out, ref)
         np.testing.assert_array_equal(logits, ref_logits)
     for key in ("tokens_per_s", "mean_accepted_per_round", "verifications", "draft_bytes_ratio"):
         assert key in stats
     assert 0 < stats["draft_bytes_ratio"] < 1.0
+    assert (stats["h2d_bytes_per_token"] > 0) == offload
 
 
 def test_lossy_draft_really_is_lossy_and_greedy_matches_full_decoding(model):
@@ -77,3 +82,22 @@ def test_lossy_draft_really_is_lossy_and_greedy_matches_full_decoding(model):
 def test_unknown_compressor_names_the_family(model):
     with pytest.raises(UnsupportedFeatureError, match="deepseek_v4.*snapkv"):
         kvjax.generate_vericache(model, _ids(model), 4, compressor="snapkv")
+
+
+def test_offload_join_is_the_resident_cache(model):
+    """split -> host -> fetch -> join gives the resident cache bitwise, also after entries completed past the
+    prompt; update keeps the device part in step with a committed cache."""
+    from kvjax.decode import offload as offl
+    from kvjax.models.deepseek_v4 import offload
+
+    cache = model.family.init_cache(model.config, 1, 256, model.cache_dtype)
+    _, cache = steps.prefill(model, cache, _ids(model))
+    host, dev = offload.offload_split(cache, 64)
+    assert all(h is None for h, kind in zip(host, model.config.layer_types) if kind == "sliding_attention")
+    P = jnp.asarray([PROMPT], jnp.int32)
+    more = np.arange(9, dtype=np.int32) % model.config.vocab_size  # 9 tokens: completes CSA and HCA entries
+    _, later = steps.prefill(model, jax.tree.map(jnp.copy, cache), more, chunk=steps.SHORT_CHUNK)  # compiled shape
+    dev = offload.offload_update(dev, later, P, None, P, block=9)
+    joined = offload.offload_join(offl.fetch(offl.to_host(host)), dev, later.length, P)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), joined, later)
+    assert all(jax.tree.leaves(same))
