@@ -189,6 +189,10 @@ class DraftCache:
     def nbytes(self) -> int:
         return sum(l.prompt_nbytes() + l.recent.nbytes() for l in self.layers) + tree_nbytes(self.length)
 
+    def room(self) -> int:
+        """Tokens the draft can take after compression before its smallest recent ring wraps."""
+        return min(l.recent.slots for l in self.layers)
+
 
 def draft_split(draft: DraftCache):
     """(the compressed prompt parts of every layer — fixed after compression, the loop invariant of drafting —, the

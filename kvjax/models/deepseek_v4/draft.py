@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache.hybrid import CompressedKV, HybridCache
 from kvjax.models.deepseek_v4.config import DeepseekV4Config
@@ -33,23 +34,47 @@ COMPRESSORS = ("streaming", "kivi4", "kivi2", "dropquant")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridDraft:
-    """The draft cache of a DeepSeek-V4 request: a degraded `HybridCache` plus its compact byte count."""
+    """The draft cache of a DeepSeek-V4 request: a degraded `HybridCache`.
+
+    Its byte counts are computed from its arrays (kept entries, ring and tail shapes), not carried as static fields,
+    so every request's draft has the same pytree structure (the schedulers stack them into one slot batch).
+    """
 
     cache: HybridCache
-    compact_bytes: int = dataclasses.field(metadata=dict(static=True))
-    ring_bytes: int = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))  # 0 = entries kept in the cache dtype
 
     @property
     def length(self) -> jax.Array:
         return self.cache.length
 
     def prompt_nbytes(self) -> int:
-        """Bytes of the lossy compressed prompt state (kept entries at `bits` bits plus one scale each)."""
-        return self.compact_bytes
+        """Bytes of the lossy compressed state a packed store would hold: every kept entry below each form's count
+        at `bits` bits plus one scale (or in the cache dtype when `bits` is 0)."""
+        total = 0
+        for st in self.cache.layers:
+            for form in (st.compressed, None if st.indexer is None else st.indexer.keys):
+                if form is None:
+                    continue
+                B, C, d = form.entries.shape
+                item = form.entries.dtype.itemsize
+                below = np.arange(C)[None, :] < np.asarray(form.count)[:, None]
+                kept = int(np.sum(np.asarray(form.visible()) & below))
+                total += kept * (d * self.bits // 8 + item if self.bits else d * item)
+        return total
 
     def nbytes(self) -> int:
         """Compact prompt state plus the exact rings and tails the drafter reads."""
-        return self.compact_bytes + self.ring_bytes
+        ring = 0
+        for st in self.cache.layers:
+            ring += st.window.kv.size * st.window.kv.dtype.itemsize
+            for t in (st.tail, None if st.indexer is None else st.indexer.tail):
+                if t is not None:
+                    ring += sum(a.size * a.dtype.itemsize for a in (t.kv, t.gate))
+        return self.prompt_nbytes() + int(ring)
+
+    def room(self) -> int:
+        """Tokens this draft can still take (its compressed capacities bound it)."""
+        return int(self.cache.capacity - int(np.max(np.asarray(self.cache.length))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +102,7 @@ class EntryDraft:
         del params, prompt, recent_slots
         counts = [int(st.compressed.count[0]) if st.compressed is not None else 0 for st in full.layers]
         recent = tuple(self.keep_recent(c) for c in counts)
-        cache = _degrade_cache(full, self, recent)
-        item = jnp.dtype(full.layers[0].window.kv.dtype).itemsize
-        compact = ring = 0
-        for st, c, r in zip(full.layers, counts, recent):
-            ring += int(st.window.kv.size) * item
-            for form in (st.compressed, None if st.indexer is None else st.indexer.keys):
-                if form is None:
-                    continue
-                d = form.entries.shape[-1]
-                kept = min(c, self.sinks + r) if self.drop else c
-                compact += kept * (d * self.bits // 8 + item) if self.bits else kept * d * item
-            if st.tail is not None:
-                ring += sum(int(a.size) * item for a in (st.tail.kv, st.tail.gate))
-        return HybridDraft(cache=cache, compact_bytes=compact, ring_bytes=ring)
+        return HybridDraft(cache=_degrade_cache(full, self, recent), bits=self.bits)
 
 
 def make_compressor(name: str, **kw) -> EntryDraft:

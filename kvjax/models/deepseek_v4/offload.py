@@ -61,8 +61,11 @@ def offload_split(full: HybridCache, tail_capacity: int):
             device.append(st)
             continue
         host.append(tuple(None if f is None else f.entries for f in forms))
+        # entry w exists once its window [w*m, (w+1)*m) is complete, so every entry from length // m on is still
+        # zero: the windows start as zeros, and nothing here computes on `full` (it may live in host memory)
         windows = [None if f is None else dataclasses.replace(
-            f, entries=_window(f, full.length // f.rate, math.ceil(tail_capacity / f.rate) + 1)) for f in forms]
+            f, entries=jnp.zeros((f.entries.shape[0], math.ceil(tail_capacity / f.rate) + 1, f.entries.shape[2]),
+                                 f.entries.dtype)) for f in forms]
         device.append(_replace_forms(st, *windows))
     return tuple(host), tuple(device)
 
