@@ -30,9 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.dense import ModelCache
 from kvjax.errors import CorruptEntry
-from kvjax.compress import Compressor
 from kvjax.decode import draft as draft_mod
 from kvjax.decode import steps
 from kvjax.decode import verify as verify_mod
@@ -55,7 +53,7 @@ def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming",
 
     Args:
         prompt_ids: i32[P] the prefix.
-        drafts: (compressor name or `Compressor`, settings dict) pairs; each draft's identity includes them.
+        drafts: (compressor name or draft maker, settings dict) pairs; each draft's identity includes them.
         recent_slots: draft ring slots for decoded tokens (part of the draft identity; bounds the run-ahead).
 
     Returns:
@@ -66,7 +64,9 @@ def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming",
     capacity = vc.capacity_for(prompt.size, max_new_tokens, max_draft)
     full = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
     logits, full = steps.prefill(model, full, prompt)
-    body = pe.store_full(store, ns, prompt, logits, full)
+    # leaves are stored cut to the prompt's extent (what a cache of capacity P holds), padded back when served
+    at_prompt = jax.eval_shape(lambda: model.family.init_cache(model.config, 1, prompt.size, model.cache_dtype))
+    body = pe.store_full(store, ns, prompt, logits, full, trim_to=at_prompt)
     out = {"prefix": pe.prefix_key(ns, prompt), "drafts": [], "draft_bytes": {},
            "full_bytes": sum(r["nbytes"] for k, r in body["bundles"].items() if k != "head")}
     for comp, kw in drafts:
@@ -99,9 +99,15 @@ def _find_full(model, store, ns, prompt, reasons):
         return None
 
 
+def _template(model, capacity: int):
+    """The abstract full cache the stored layers are placed into (the family's, at the serving capacity)."""
+    return jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity, model.cache_dtype))
+
+
 def _fetch_full_layers(model, store, ns, prompt, body, capacity):
-    layers = [form for _, form in pe.iter_layers(store, ns, prompt, body, capacity, pe.kv_dtype(model))]
-    return ModelCache(layers=tuple(layers), length=jnp.full((1,), len(prompt), jnp.int32))
+    template = _template(model, capacity)
+    layers = [form for _, form in pe.iter_layers(store, ns, prompt, body, template)]
+    return pe.assemble_full(template, layers, body)
 
 
 def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
@@ -205,7 +211,7 @@ class _FullStream:
     def _run(self):
         model, store, ns, prompt, body, capacity = self._args
         try:
-            for i, form in pe.iter_layers(store, ns, prompt, body, capacity, pe.kv_dtype(model)):
+            for i, form in pe.iter_layers(store, ns, prompt, body, _template(model, capacity)):
                 self.layers[i] = jax.block_until_ready(form)
                 self.arrival_s.append(time.perf_counter() - self.t0)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
@@ -213,17 +219,18 @@ class _FullStream:
         finally:
             self.done.set()
 
-    def wait(self) -> ModelCache:
+    def wait(self):
+        """The full cache (the family's), once every layer has arrived."""
         self.done.wait()
         self.thread.join()
         if self.error is not None:
             raise self.error
-        P = len(self._args[3])
-        return ModelCache(layers=tuple(self.layers), length=jnp.full((1,), P, jnp.int32))
+        model, _, _, _, body, capacity = self._args
+        return pe.assemble_full(_template(model, capacity), self.layers, body)
 
 
 def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int, *,
-                      compressor: str | Compressor = "streaming", compressor_kw: dict | None = None,
+                      compressor="streaming", compressor_kw: dict | None = None,
                       recent_slots: int = 256, draft_len: int = 8, max_ahead: int | None = None, namespace=None,
                       fallback_decoder: str = "reference"):
     """Draft-first VeriCache serving of a stored prefix (greedy). Returns (tokens i32[M], stats).
@@ -279,8 +286,8 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     first.block_until_ready()
     ttft = time.perf_counter() - t0
     seed = jnp.zeros((1,), jnp.int32)
-    ring = min(layer.recent.slots for layer in dcache.layers)
-    ahead_cap = max(0, min(x if max_ahead is None else max_ahead, ring - x - 1) // x * x)
+    room = dcache.room()  # tokens the draft can take before its ring wraps (or its capacity ends)
+    ahead_cap = max(0, min(x if max_ahead is None else max_ahead, room - x - 1) // x * x)
 
     # run ahead while the full cache streams in
     queue: list[int] = []

@@ -7,11 +7,12 @@ on every hit (a digest is an address, not a proof). A draft cache is a second, l
 prefix: its key adds the compressor's name and EVERY field of its settings (ratio, sinks, window, bits, ...), the
 recent-ring size and the draft format version, so a StreamingLLM 4x draft is never served for a SnapKV or 8x one.
 
-Layout under `<namespace>/<prefix>/`:
+Layout under `<namespace>/<prefix>/` (any model family: `kvjax.remote.cache_codec` names leaves by tree path):
   - `full/`: bundles `head` (logits f32[V] at the last prompt position, tokens i32[P]) and `layer-000`, ... one per
-    layer in layer order (full-attention layers: the prompt's k, v [K, P, D]; sliding layers: the ring k, v [K, W, D]),
-    then the manifest;
-  - `draft-<key>/`: one bundle with every compressed part of every layer, then the manifest.
+    layer in layer order (every leaf of the family's layer state, trimmed to the prompt's extent: Llama's prompt
+    rows k, v and sliding rings; DeepSeek-V4's rings, tails, compressed entries, indexer keys), then the manifest,
+    which holds each leaf's encoding and, inline, the cache's non-layer leaves (its token count);
+  - `draft-<key>/`: one bundle with every leaf of the draft cache, then the manifest, which holds its structure.
 
 The first token. Both serving paths need the logits at the last prompt position; they are stored with the prefix
 (`head`), checksummed like everything else, so the first token is exact without the full cache or a recompute.
@@ -20,25 +21,21 @@ The first token. Both serving paths need the logits at the last prompt position;
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.draft import DraftCache, DraftLayer, QuantizedKV, RecentKV, SparseKV
-from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.prefix.identity import Namespace, canonical, digest, make_namespace, weights_fingerprint
 from kvjax.errors import CorruptEntry
+from kvjax.remote import cache_codec as codec
 from kvjax.remote.store_client import RemoteStore
 
-FULL_FORMAT = "kvjax-remote-full-v1"  # per-layer prompt rows [K, P, D] / sliding rings [K, W, D], batch 1
-DRAFT_FORMAT = "kvjax-remote-draft-v1"
+FULL_FORMAT = "kvjax-remote-full-v2"  # per-layer bundles of the family's leaves by tree path (cache_codec), batch 1
+DRAFT_FORMAT = "kvjax-remote-draft-v2"
 FULL = "full"
 PREFIX_DOMAIN = b"kvjax.rprefix1"
 DRAFT_DOMAIN = b"kvjax.rdraft1"
-PART_TYPES = {"SparseKV": SparseKV, "QuantizedKV": QuantizedKV}
 
 _WEIGHTS_FP: dict[int, tuple[object, str]] = {}
 
@@ -75,11 +72,12 @@ def draft_name(identity: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- write
-def store_full(store: RemoteStore, ns: Namespace, tokens, logits, full: ModelCache) -> dict:
+def store_full(store: RemoteStore, ns: Namespace, tokens, logits, full, *, trim_to=None) -> dict:
     """Write the prefix's full cache (batch 1, length P) and its last logits; publish the manifest last.
 
     Args:
-        tokens: i32[P] the prefix; logits: f32[V] at position P-1; full: the prefilled cache.
+        tokens: i32[P] the prefix; logits: f32[V] at position P-1; full: the prefilled cache (any family).
+        trim_to: abstract cache to cut leaves to where the rest is untouched (`cache_codec.full_bundles`).
 
     Returns:
         the manifest.
@@ -91,41 +89,24 @@ def store_full(store: RemoteStore, ns: Namespace, tokens, logits, full: ModelCac
     pk = prefix_key(ns, tokens)
     recs = {"head": store.put_bundle(ns.hex, pk, f"{FULL}-head",
                                      {"logits": np.asarray(logits, np.float32).reshape(-1), "tokens": tokens})}
-    layers = []
-    for i, form in enumerate(full.layers):
-        if isinstance(form, WindowKV):
-            arrays = {"k": np.asarray(form.k[0]), "v": np.asarray(form.v[0])}
-            layers.append({"kind": "swa", "window": form.window})
-        else:
-            arrays = {"k": np.asarray(form.k[0, :, :P]), "v": np.asarray(form.v[0, :, :P])}
-            layers.append({"kind": "dense"})
+    head, layers = codec.head_specs(full), []
+    for i, (specs, arrays) in enumerate(codec.layer_bundles(full, trim_to)):
+        layers.append(specs)
         recs[f"layer-{i:03d}"] = store.put_bundle(ns.hex, pk, f"{FULL}-layer-{i:03d}", arrays)
-    body = {"format": FULL_FORMAT, "prompt_len": P, "prefill_capacity": int(full.layers[0].k.shape[2]),
-            "layers": layers, "bundles": recs,
+    body = {"format": FULL_FORMAT, "prompt_len": P, "head": head, "layers": layers, "bundles": recs,
             "namespace": json.loads(ns.to_json())}
     store.put_manifest(ns.hex, pk, FULL, body)
     return body
 
 
-def store_draft(store: RemoteStore, ns: Namespace, tokens, dcache: DraftCache, identity: dict) -> dict:
-    """Write one draft cache (as built right after prefill: empty recent rings) under its identity."""
+def store_draft(store: RemoteStore, ns: Namespace, tokens, dcache, identity: dict) -> dict:
+    """Write one draft cache (as built right after prefill) under its identity: its leaves and its structure."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    arrays, layers = {}, []
-    for i, layer in enumerate(dcache.layers):
-        parts = []
-        for j, part in enumerate(layer.parts):
-            fields = [f for f in dataclasses.fields(part) if not f.metadata.get("static")]
-            static = {f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.metadata.get("static")}
-            for f in fields:
-                arrays[f"L{i}.p{j}.{f.name}"] = np.asarray(getattr(part, f.name))
-            parts.append({"type": type(part).__name__, "static": static, "fields": [f.name for f in fields]})
-        r = layer.recent
-        layers.append({"window": layer.window, "parts": parts, "recent": [int(s) for s in r.k.shape[1:]],
-                       "dtype": np.dtype(r.k.dtype).name})
+    desc, arrays = codec.encode_draft(dcache)
     name = draft_name(identity)
     pk = prefix_key(ns, tokens)
     rec = store.put_bundle(ns.hex, pk, name, arrays)
-    body = {"identity": identity, "prompt_len": int(tokens.size), "layers": layers, "bundle": rec}
+    body = {"identity": identity, "prompt_len": int(tokens.size), "draft": desc, "bundle": rec}
     store.put_manifest(ns.hex, pk, name, body)
     return body
 
@@ -148,50 +129,30 @@ def read_head(store: RemoteStore, ns: Namespace, tokens, body: dict) -> np.ndarr
     return head["logits"]
 
 
-def iter_layers(store: RemoteStore, ns: Namespace, tokens, body: dict, capacity: int, dtype):
-    """Stream the full cache's layers in layer order: yields (i, form) with each layer placed in a full-cache form
-    of `capacity` slots, exactly as prefill leaves it. Raises CorruptEntry at the first bad chunk."""
+def iter_layers(store: RemoteStore, ns: Namespace, tokens, body: dict, template):
+    """Stream the full cache's layers in layer order: yields (i, layer state) with each layer placed in the shapes of
+    `template` (the abstract `init_cache` of the serving capacity), exactly as prefill leaves it. Raises CorruptEntry
+    at the first bad chunk or leaf."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    P = len(tokens)
+    if len(template.layers) != len(body["layers"]):
+        raise CorruptEntry(f"full entry has {len(body['layers'])} layers, the model {len(template.layers)}")
     recs = [body["bundles"][f"layer-{i:03d}"] for i in range(len(body["layers"]))]
     for i, (_, a) in enumerate(store.iter_bundles(ns.hex, prefix_key(ns, tokens), recs)):
-        spec = body["layers"][i]
-        k, v = a["k"], a["v"]
-        if np.dtype(k.dtype) != np.dtype(dtype) or k.shape != v.shape or k.ndim != 3:
-            raise CorruptEntry(f"layer {i}: k {k.dtype}{k.shape}, v {v.dtype}{v.shape}, expected {np.dtype(dtype)}")
-        seen = jnp.full((1,), P, jnp.int32)
-        if spec["kind"] == "swa":
-            yield i, WindowKV(k=jnp.asarray(k[None]), v=jnp.asarray(v[None]), seen=seen, window=int(spec["window"]))
-            continue
-        if k.shape[1] != P:
-            raise CorruptEntry(f"layer {i}: {k.shape[1]} rows, prefix has {P}")
-        yield i, DenseKV(k=_to_capacity(k, capacity=capacity), v=_to_capacity(v, capacity=capacity), length=seen)
+        yield i, codec.decode_layer(template.layers[i], body["layers"][i], a)
 
 
-@functools.partial(jax.jit, static_argnames="capacity")
-def _to_capacity(rows, *, capacity: int):
-    """[K, P, D] prompt rows -> [1, K, capacity, D] with zeros after them (what prefill leaves in the slots)."""
-    return jnp.pad(rows, ((0, 0), (0, capacity - rows.shape[1]), (0, 0)))[None]
+def assemble_full(template, layers, body: dict):
+    """The full cache from the streamed layers and the manifest's non-layer leaves (its token count)."""
+    return codec.assemble_full(template, layers, body["head"])
 
 
-def read_draft(store: RemoteStore, ns: Namespace, tokens, body: dict) -> DraftCache:
-    """Fetch a draft cache's bundle and rebuild the `DraftCache` (empty recent rings)."""
+def read_draft(store: RemoteStore, ns: Namespace, tokens, body: dict):
+    """Fetch a draft cache's bundle and rebuild the family's draft cache."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     return draft_from_arrays(tokens, body, store.get_bundle(ns.hex, prefix_key(ns, tokens), body["bundle"]))
 
 
-def draft_from_arrays(tokens, body: dict, a: dict) -> DraftCache:
-    """Rebuild a `DraftCache` from its manifest and fetched bundle arrays."""
-    layers = []
-    for i, spec in enumerate(body["layers"]):
-        parts = []
-        for j, p in enumerate(spec["parts"]):
-            cls = PART_TYPES.get(p["type"])
-            if cls is None:
-                raise CorruptEntry(f"draft layer {i}: unknown part type {p['type']!r}")
-            arrays = {f: jnp.asarray(a[f"L{i}.p{j}.{f}"]) for f in p["fields"]}
-            parts.append(cls(**arrays, **p["static"]))
-        K, R, D = spec["recent"]
-        ring = RecentKV.empty(1, K, R, D, jnp.dtype(spec["dtype"]))
-        layers.append(DraftLayer(parts=tuple(parts), recent=ring, window=spec["window"]))
-    return DraftCache(layers=tuple(layers), length=jnp.full((1,), len(tokens), jnp.int32))
+def draft_from_arrays(tokens, body: dict, a: dict):
+    """Rebuild a draft cache from its manifest and fetched bundle arrays."""
+    del tokens
+    return codec.decode_draft(body["draft"], a)

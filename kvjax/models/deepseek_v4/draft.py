@@ -118,7 +118,9 @@ def _degrade(form: CompressedKV, spec: EntryDraft, keep_recent: int) -> Compress
     keep = jnp.ones(form.entries.shape[:2], bool)
     if spec.drop:
         keep = (c < spec.sinks) | (c >= form.count[:, None] - keep_recent)
-    entries = form.entries
+    # dropped entries are never read (masked out of attention and the indexer): zeros, so a stored draft holds
+    # only what it keeps (zero rows cost nothing in `kvjax.remote.cache_codec`)
+    entries = jnp.where(keep[..., None], form.entries, 0).astype(form.entries.dtype)
     if spec.bits:
         e = entries.astype(jnp.float32)
         qmax = 2 ** (spec.bits - 1) - 1
