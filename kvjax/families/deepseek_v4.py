@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import jax
+from jax.sharding import NamedSharding
+
+from kvjax import sharding
 from kvjax.families.base import Family
 from kvjax.models.deepseek_v4 import cache, config, draft, model, offload, verify, weights
 from kvjax.models.deepseek_v4.config import DeepseekV4Config
+from kvjax.models.deepseek_v4.sharding import param_specs
 from kvjax.prefix.layouts.deepseek_v4 import HybridForms
+
+
+def shard_params(params, config_: DeepseekV4Config, mesh, *, vocab: bool | None = None):
+    """Place DeepSeek-V4 params on `mesh`: query heads, experts and MLP on "tp" (`param_specs`), replicated over
+    "dp"."""
+    specs = param_specs(params, config_, mesh.shape[sharding.TP], axis=sharding.TP, vocab=vocab)
+    return jax.tree.map(lambda x, s: sharding.place(x, NamedSharding(mesh, s)), params, specs)
+
 
 DEEPSEEK_V4 = Family(
     name="deepseek_v4",
@@ -31,4 +44,5 @@ DEEPSEEK_V4 = Family(
     offload_join=offload.offload_join,
     offload_update=offload.offload_update,
     prefix_layout=HybridForms,
+    shard_params=shard_params,
 )

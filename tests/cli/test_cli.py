@@ -68,6 +68,23 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
     assert "summary: mode=vericache" in cap.err
 
 
+def test_generate_vericache_offload_hybrid_checkpoint(tmp_path, capsys):
+    """The bundled DeepSeek-V4 checkpoint through the same flags: offloaded VeriCache, identical to full-cache
+    decoding, host->device traffic reported."""
+    from builders import CHECKPOINTS
+
+    out = tmp_path / "r.json"
+    rc = cli.main(["generate", "--model", os.path.join(CHECKPOINTS, "kvjax-hybrid-tiny"), "--prompt",
+                   "import os\n\ndef walk(root):\n    for name in os.listdir(root):\n        path = os.path.join(",
+                   "--mode", "vericache", "--offload", "--compare-full", "--draft-len", "4", "--new-tokens", "12",
+                   "--json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(out.read_text())
+    assert res["identical_to_full_cache"] is True and res["new_tokens"] == 12
+    assert res["h2d_bytes_per_token"] > 0 and res["verifications"] >= 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "no model at /nonexistent/model"),
     (["generate", "--new-tokens", "4"], "give one of --prompt"),
