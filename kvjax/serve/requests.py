@@ -20,9 +20,9 @@ class Request:
         max_new_tokens: tokens to emit (no EOS stop).
         arrival: scheduler iteration from which the request may be admitted.
         seed: sampling seed (unused when greedy).
-        prefilled: optional (full ModelCache after prefill, first token i32[1]) from `prefill_request` (its arrays may
-            live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with the
-            run's temperature and this seed); None = the scheduler prefills on admission.
+        prefilled: optional (the family's full cache after prefill, first token i32[1]) from `prefill_request` (its
+            arrays may live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with
+            the run's temperature and this seed); None = the scheduler prefills on admission.
     """
 
     prompt: np.ndarray

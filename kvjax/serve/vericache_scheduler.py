@@ -353,6 +353,9 @@ class VeriCacheScheduler:
         else:
             full, first = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
                                          temperature=self.temperature, seed=req.seed)
+            # committed to the device like a fetched prefix (no copy: it is there already): jit keys on
+            # committedness, and every state derived from `full` must reach the steps as one kind of argument
+            full = offl.fetch(full)
         R = self.recent_slots or max(64, req.max_new_tokens + self.x + 2)
         row = self.comp(self.model.params, cfg, full, prompt, recent_slots=max(R, self.x + 1))
         self.mem.sample(self.emitted)
