@@ -12,7 +12,9 @@ input rows, so each layer needs one all-reduce after attention and one after the
 - Caches: every kvjax cache form is `[B, K, ...]` (batch first, kv heads second), so batch goes on "dp" and kv heads
   on "tp"; lengths and positions `[B]` / `[B, S]` on "dp". A single request (B = 1) is replicated over "dp".
 
-Limits: the Llama family (`kvjax.models.llama`); sums over heads happen on several devices, so sharded logits agree
+Limits: the rules here are the Llama family's (`kvjax.models.llama`; DeepSeek-V4's split is
+`kvjax.models.deepseek_v4.sharding`, placed through `shard_model` by its family value, and `shard_cache` /
+`init_sharded_cache` know only the `[B, K, ...]` Llama cache layout); sums over heads happen on several devices, so sharded logits agree
 with single-device logits to float rounding, not necessarily bit for bit (tests/test_mesh.py measures it). The Pallas
 GPU kernels are custom calls that XLA cannot partition; on a multi-GPU mesh run them under `shard_map` or use the
 "xla" attention implementation. Multi-host start-up: docs/multi_host.md.

@@ -9,23 +9,29 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
 
 - loading: `config_from_hf(hf_dict) -> config`; `params_from_tensors(config, tensors, dtype) -> params`;
   `params_to_tensors(config, params, dtype)`; `hf_config_dict(config)`; `init_params(config, key, dtype)`.
-- the full cache: `init_cache(config, batch, capacity, dtype) -> cache`; `forward(params, config, cache, tokens
-  i32[B, T], n_valid i32[B], *, implementation=None) -> (logits f32[B, T, V], cache)` — prefill chunks and plain
-  one-token decode; `verify_forward` — the same over the full cache in the canonical verify arithmetic (the shape
-  the reference decoder and VeriCache's verification share, bit for bit); `commit(params, config, before, after,
-  tokens, keep_len, *, implementation) -> cache` — the state after a verify block rolled back to `keep_len[b]` tokens (masked, no
-  reshape).
+- the full cache: `init_cache(config, batch, capacity, dtype) -> cache` — a dataclass pytree with a `layers` tuple
+  (one state per layer: the full-cache scheduler admits it and remote serving streams it layer by layer) and
+  `length` i32[B]; slots a prefill has not written hold init_cache's zeros (remote entries are trimmed to what was
+  written); `forward(params, config, cache, tokens i32[B, T], n_valid i32[B], *, implementation=None) -> (logits
+  f32[B, T, V], cache)` — prefill chunks and plain one-token decode; `verify_forward` — the same over the full cache
+  in the canonical verify arithmetic (the shape the reference decoder and VeriCache's verification share, bit for
+  bit); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the state after a
+  verify block rolled back to `keep_len[b]` tokens (masked, no reshape).
 - the draft cache: a compressor (`compressor(name, **kw)`; names in `compressors`) is called as
-  `compressor(params, config, full, prompt, *, recent_slots) -> draft`; a draft has `length`, `nbytes()` and
-  `prompt_nbytes()`; `draft_forward(params, config, draft, tokens, n_valid) -> (logits, draft)`; `draft_commit(draft, full, start,
+  `compressor(params, config, full, prompt, *, recent_slots) -> draft`; a draft has `length`, `nbytes()`,
+  `prompt_nbytes()` and `room()` (tokens it can take before a ring wraps or its capacity ends), and one pytree
+  structure per compressor and capacity (the schedulers stack drafts of different prompts into one slot batch);
+  `draft_forward(params, config, draft, tokens, n_valid) -> (logits, draft)`; `draft_commit(draft, full, start,
   keep, *, block) -> draft` — after a verify: forget the drafted state past `start`, take the `keep[b]` exact
   positions `start[b]..` from the committed full cache; `draft_split(draft) -> (invariant, changing)` and
   `draft_join(invariant | None, changing) -> draft` — what drafting never changes (kept out of loop carries and
   out of the rows the schedulers verify) and what it does.
 - accounting: `read_bytes(cache, length)` — bytes one forward over `length` cached tokens reads.
 - offload (full cache in host memory between verifications): `offload_split(full, tail_capacity) -> (host_part,
-  device_part)`; `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`;
-  `offload_update(device_part, full, start, keep, prompt_len, *, block) -> device_part`.
+  device_part)` (it computes nothing on `full`: a scheduler splits host-resident caches too);
+  `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`; `offload_update(device_part, full,
+  start, keep, prompt_len, *, block) -> device_part`.
+- tensor parallelism: `shard_params(params, config, mesh, *, vocab=None) -> params` placed on a ("dp", "tp") mesh.
 - the prefix cache: `prefix_layout(config, dtype, block_size) -> FormSet`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family

@@ -1,6 +1,7 @@
 """DeepSeek-V4 on a tensor-parallel mesh: the split rules (query heads, experts, MLP on "tp"; the one shared K=V head
 and the compressors replicated), and — slow, in subprocesses with 2 simulated CPU devices — `kvjax generate --tp 2`
-on the bundled hybrid checkpoint: VeriCache equals full-cache decoding on the mesh, and the tokens equal one device's."""
+on the bundled hybrid checkpoint: VeriCache equals full-cache decoding on the mesh, and the tokens equal one
+device's."""
 
 from __future__ import annotations
 

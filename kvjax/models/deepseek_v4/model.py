@@ -12,8 +12,9 @@ Per attention layer (transformers 5.24 `DeepseekV4Attention` is the definition):
   entries: HCA all complete entries `w < (t + 1) // m'`; CSA the lightning indexer's top-`index_topk` complete entries.
   Sliding layers use the "main" rope, CSA/HCA layers (and their compressors and indexer) the "compress" rope.
 - softmax with a learned per-head sink logit, over the window, HCA entries and CSA's picks as separate parts merged by
-  the attention dispatcher (`kvjax.models.attention.attention_merged`: kernels 0 and 5 on Pallas); the output's rope slice is rotated back by the query position; grouped
-  low-rank output projection (`wo_a` per head group, then `wo_b`).
+  the attention dispatcher (`kvjax.models.attention.attention_merged`: kernels 0 and 5 on Pallas); the output's
+  rope slice is rotated back by the query position; grouped low-rank output projection (`wo_a` per head group, then
+  `wo_b`).
 Around each block, hyper-connections (hc streams, Sinkhorn-projected mixing); the MLP is routed MoE (hash-routed in
 `hash_moe` layers) plus one shared expert.
 
