@@ -83,6 +83,33 @@ def test_attention_parts_equals_one_cache(implementation):
 
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_attention_merged_equals_one_softmax_with_sinks(implementation):
+    """DeepSeek-V4's attention as parts (a windowed shared K=V ring, compressed entries keyed by position, each
+    query's own sparse picks) merged with per-head sinks == one softmax over their union plus the sinks."""
+    from kvjax.models.attention import attention_merged
+    from pallas_kernels.reference import masked_softmax_attention, position_visible
+
+    rng = np.random.default_rng(3)
+    B, T, N, D, W = 2, 3, 4, 16, 6
+    q = jnp.asarray(rng.normal(size=(B, T, N, D)), jnp.float32)
+    ring, ents, picks = (jnp.asarray(rng.normal(size=(B, 1, S, D)), jnp.float32) for S in (9, 5, 7))
+    q_pos = jnp.asarray([[20, 21, 22], [10, 11, 12]], jnp.int32)
+    ring_pos = jnp.asarray([np.arange(14, 23), np.r_[np.arange(4, 13)[:8], -1]], jnp.int32)
+    ent_pos = jnp.asarray([[3, 7, -1, 15, 19], [3, 7, 11, 15, 19]], jnp.int32)  # (w + 1) * m - 1; -1 = dropped
+    idx = jnp.asarray(rng.integers(-1, 7, size=(B, T, 3)), jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+    got = attention_merged(q, q_pos, parts=[(ring, None, ring_pos, W), (ents, None, ent_pos, None)],
+                           sparse_parts=[(picks, None, idx)], sinks=sinks, implementation=implementation)
+    gathered = jax.vmap(lambda kb, ib: kb[:, ib])(picks, jnp.maximum(idx, 0))  # [B, 1, T, 3, D]
+    union = jnp.concatenate([jnp.broadcast_to(ring[:, :, None], (B, 1, T, 9, D)),
+                             jnp.broadcast_to(ents[:, :, None], (B, 1, T, 5, D)), gathered], axis=3)
+    vis = jnp.concatenate([position_visible(q_pos, ring_pos, W), position_visible(q_pos, ent_pos),
+                           (idx >= 0)[:, None]], axis=3)
+    want = masked_softmax_attention(q, union, None, vis, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("checkpoint", ["kvjax-code-tiny", "kvjax-hybrid-tiny"])
 def test_bundled_model_full_draft_and_verify_pallas_interpret_match_xla(checkpoint):
     """On a GPU the Pallas kernels serve every step of a bundled model: prefill, one-token decode, a draft step and
