@@ -68,6 +68,7 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
     assert "summary: mode=vericache" in cap.err
 
 
+@pytest.mark.slow  # ~40 s of compiling on the 2-core CPU; the flags are family-generic, each V4 piece is tested alone
 def test_generate_vericache_offload_hybrid_checkpoint(tmp_path, capsys):
     """The bundled DeepSeek-V4 checkpoint through the same flags: offloaded VeriCache, identical to full-cache
     decoding, host->device traffic reported."""
