@@ -28,7 +28,7 @@ from kvjax.decode import vericache as vc
 from kvjax.decode.sampling import Sampling
 from kvjax.errors import InputError
 from kvjax.families import family_for
-from kvjax.generation import Delta, Generation, StopRule, finish
+from kvjax.generation import Delta, DeltaBuilder, Generation, StopRule, finish
 from kvjax.model import Model
 
 DEFAULT_MAX_NEW_TOKENS = 128  # the API's and the CLI's default token budget
@@ -91,7 +91,7 @@ def check_token_ids(model: Model, token_ids, name: str = "prompt") -> np.ndarray
     if not np.issubdtype(a.dtype, np.integer):
         bad = np.nonzero(~np.isfinite(a) | (a != np.floor(a)))[0] if np.issubdtype(a.dtype, np.floating) else []
         i = int(bad[0]) if len(bad) else 0
-        raise InputError(f"{name} token ids must be integers, got {a[i]!r} at index {i} (dtype {a.dtype})")
+        raise InputError(f"{name} token ids must be integers, got {a[i].item()!r} at index {i} (dtype {a.dtype})")
     V = model.config.vocab_size
     bad = np.nonzero((a < 0) | (a >= V))[0]
     if bad.size:
@@ -152,19 +152,30 @@ def _logprob(row, token: int) -> float:
 
 
 def _full_chunks(model: Model, ids: np.ndarray, max_new_tokens: int, sampling: Sampling, seed: int,
-                 logprobs: bool, rule: StopRule, on_prefill=None) -> Iterator[tuple[list, list]]:
+                 logprobs: bool, rule: StopRule, on_prefill=None, warmup: bool = False) -> Iterator[tuple[list, list]]:
     """Full-cache decoding of one prompt, yielding (new tokens, their logprobs or []) per jitted chunk until the stop
-    rule ends the run or `max_new_tokens` are out (the last chunk may run past both; callers cut)."""
+    rule ends the run or `max_new_tokens` are out (the last chunk may run past both; callers cut).
+
+    `warmup`: compile the decode chunk on a copy of the cache before the first token is yielded, so that a caller
+    timing from there times compiled code."""
     cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
                                     model.cache_dtype)
     last, cache = steps.prefill(model, cache, ids, on_chunk=on_prefill)
     seed_a = jnp.asarray([seed], jnp.int32)
     tok = vc.first_token(last, ids.size, seed_a, sampling)
+
+    def chunk(c):
+        return steps.decode(model.params, model.config, c, tok, seed_a, num_steps=STREAM_CHUNK, temperature=sampling,
+                            return_logprobs=logprobs, family=model.family, impl=model.attention)
+
+    if warmup and max_new_tokens > 1:
+        import jax  # noqa: PLC0415 - only the timed CLI path warms up
+
+        jax.block_until_ready(chunk(jax.tree.map(jnp.copy, cache)))
     done = [int(tok[0])]
     yield done[:], ([_logprob(last, done[0])] if logprobs else [])
     while len(done) < max_new_tokens and rule.end(done) is None:
-        res = steps.decode(model.params, model.config, cache, tok, seed_a, num_steps=STREAM_CHUNK,
-                           temperature=sampling, return_logprobs=logprobs, family=model.family, impl=model.attention)
+        res = chunk(cache)
         rest, cache = res[0], res[1]
         new = [int(t) for t in np.asarray(rest[0])]
         done += new
@@ -353,40 +364,14 @@ def _vericache_rounds(model, ids, max_new_tokens, rule, kw) -> Iterator[tuple[li
 
 
 def _stream(chunks: Iterator[tuple[list, list]], rule: StopRule, max_new_tokens: int) -> Iterator[Delta]:
-    """Text deltas of a token stream; held back: a trailing incomplete character and any suffix that could begin a
-    stop string. The last delta carries the finish reason."""
-    toks: list[int] = []
-    shown = ""
+    """The `Delta`s of a token stream (see `kvjax.generation.DeltaBuilder`); the last carries the finish reason."""
+    deltas = DeltaBuilder(rule, max_new_tokens)
     for new, _ in chunks:
-        start = len(toks)
-        toks += new
-        n = rule.end(toks[:max_new_tokens])
-        ended = n is not None or len(toks) >= max_new_tokens
-        keep = toks[: (n if n is not None else max_new_tokens)]
-        visible = rule.text(keep[:-1] if n is not None and int(keep[-1]) in rule.ids else keep) or ""
-        if not ended:
-            visible = _hold_back(visible, rule.strings)
-        delta_ids = tuple(keep[start:]) if start < len(keep) else ()
-        if visible.startswith(shown):
-            text, shown = visible[len(shown):], visible
-        else:  # a merge rewrote earlier text (rare): emit nothing until it settles
-            text = ""
-        if ended:
-            yield Delta(delta_ids, text, "stop" if n is not None else "length")
+        d = deltas.add(new)
+        if d is not None:
+            yield d
+        if deltas.ended:
             return
-        if delta_ids or text:
-            yield Delta(delta_ids, text)
-
-
-def _hold_back(text: str, stop_strings) -> str:
-    text = text.rstrip("\ufffd")  # an incomplete multi-byte character decodes as U+FFFD until its last byte
-    cut = 0
-    for s in stop_strings:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                cut = max(cut, k)
-                break
-    return text[: len(text) - cut] if cut else text
 
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "check_token_ids", "generate", "generate_vericache", "load", "logits",

@@ -144,6 +144,47 @@ class StopRule:
         return text[:cut] if cut >= 0 else text
 
 
+class DeltaBuilder:
+    """Turns tokens arriving in pieces into `Delta`s: text is held back while it ends in an incomplete character
+    (decoded as U+FFFD until its last byte) or in a prefix of a stop string; the generation's end (stop rule or
+    `max_new_tokens`) cuts the tokens exactly as `finish` does and sets `ended`."""
+
+    def __init__(self, rule: StopRule, max_new_tokens: int):
+        self.rule, self.max_new, self.tokens, self.shown, self.ended = rule, max_new_tokens, [], "", False
+
+    def add(self, new) -> Delta | None:
+        """The delta for `new` tokens (None when nothing is ready to show yet)."""
+        if self.ended:
+            return None
+        start = len(self.tokens)
+        self.tokens += [int(t) for t in new]
+        n = self.rule.end(self.tokens[: self.max_new])
+        self.ended = n is not None or len(self.tokens) >= self.max_new
+        keep = self.tokens[: (n if n is not None else self.max_new)]
+        shown_ids = keep[:-1] if n is not None and keep and int(keep[-1]) in self.rule.ids else keep
+        visible = self.rule.text(shown_ids) or ""
+        if not self.ended:
+            visible = _hold_back(visible, self.rule.strings)
+        text = ""
+        if visible.startswith(self.shown):  # else a tokenizer merge rewrote shown text (rare): wait until it settles
+            text, self.shown = visible[len(self.shown):], visible
+        ids = tuple(keep[start:]) if start < len(keep) else ()
+        if self.ended:
+            return Delta(ids, text, STOP if n is not None else LENGTH)
+        return Delta(ids, text) if ids or text else None
+
+
+def _hold_back(text: str, stop_strings) -> str:
+    text = text.rstrip("\ufffd")
+    cut = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                cut = max(cut, k)
+                break
+    return text[: len(text) - cut] if cut else text
+
+
 def finish(tokens: Sequence[int], rule: StopRule, max_new_tokens: int, *, prompt_tokens: int = 0,
            logprobs=None, stats: dict | None = None) -> Generation:
     """The `Generation` of a run that produced `tokens` (possibly past its stop point: they are cut here)."""

@@ -229,7 +229,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
 
 def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int = 8, temperature: float = 0.0,
                      seed: int = 0, max_draft: int | None = None, return_margins: bool = False,
-                     return_logits: bool = False):
+                     return_logits: bool = False, progress=None):
     """kvjax's full-cache reference decoder: one token per step through the verify shape (T = x + 1, row 0).
 
     Args:
@@ -237,6 +237,7 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
         max_draft: largest x of an adaptive run (sets the cache capacity like `generate_vericache`).
         return_margins: also return f32[max_new_tokens] top-1 minus top-2 logit at each step.
         return_logits: also return the logits row that chose each token, f32[max_new_tokens, V].
+        progress: optional callback(tokens_done).
 
     Returns:
         tokens i32[max_new_tokens] (then margins, then logits, as asked).
@@ -261,6 +262,8 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
             margins.append(_margin(row[0]))
         if return_logits:
             rows.append(np.asarray(row[0]))
+        if progress is not None:
+            progress(len(out))
     result = [np.asarray(out, np.int32)]
     if return_margins:
         result.append(np.asarray(margins, np.float32))

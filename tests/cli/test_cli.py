@@ -47,7 +47,7 @@ def test_generate_full_json_matches_api(model_dir, capsys):
     res = json.loads(capsys.readouterr().out)  # stdout is exactly the JSON: no streamed text
     model = kvjax.load(model_dir)
     ids = model.tokenizer.encode(prompt)
-    want = kvjax.generate(model, ids, max_new_tokens=40, stop_at_eos=False)
+    want = kvjax.generate(model, ids, max_new_tokens=40)
     assert res["prompt_tokens"] == len(ids) and res["new_tokens"] == 40
     assert res["tokens"] == want.tolist()  # chunked streaming decode = one-call greedy decode
     assert res["text"] == model.tokenizer.decode(want)
@@ -70,7 +70,7 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "no model at /nonexistent/model"),
-    (["generate", "--new-tokens", "4"], "give one of --prompt"),
+    (["generate", "--new-tokens", "4"], "give exactly one of --prompt"),
     (["generate", "--prompt", "a", "--tp", "3"], "needs 3 devices"),
     (["generate", "--prompt", "a", "--new-tokens", "0"], "--new-tokens must be >= 1"),
     (["generate", "--prompt", "a", "--host-devices", "64"], "JAX already started with"),
