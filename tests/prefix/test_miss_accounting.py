@@ -37,7 +37,8 @@ def test_never_admitted_snapshot_is_a_capacity_miss(model, make_cache, run, prom
     run(model, pc, p)
     plan = _plan(pc, model, p)
     assert plan.boundary == 0
-    assert [(s.kind, s.cause, s.form) for s in plan.shortfalls if s.tokens][0] == ("capacity", "not admitted", "swa")
+    by_cause = {(s.kind, s.cause, s.form): s.tokens for s in plan.shortfalls if s.tokens}
+    assert by_cause == {("capacity", "not admitted", "swa"): 96, ("compatibility", "not cached", None): 4}, by_cause
 
 
 def test_a_boundary_with_no_snapshot_taken_is_a_boundary_miss(model, make_cache, run, prompt):
@@ -98,7 +99,8 @@ def test_identity_miss_is_counted_once(model, make_cache, run, prompt):
     plan = pc.lookup(other, p)
     plan.lease.release()
     assert plan.boundary == 0 and "representation.kernel_abi" in plan.reasons()[0]
-    assert pc.stats()["misses"]["compatibility"] == {"identity": 64}
+    assert pc.stats()["misses"]["compatibility"] == {"not cached": 64, "identity": 64}  # the first run, this one
+    assert pc.stats()["events"]["identity:representation.kernel_abi"] == 1
     assert _counted(pc) == pc.stats()["prompt_tokens"] == 128
 
 
