@@ -113,8 +113,10 @@ def _prefill_rest(model, prompt, prefix_cache, ns, cache, plan, chunk, prompt_lo
 
 def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_cache, *,
                                namespace: Namespace | None = None, stop_at_eos: bool = True,
-                               return_plan: bool = False):
+                               return_plan: bool = False, chunk: int = steps.DEFAULT_CHUNK):
     """Greedy decoding like `kvjax.generate`, with the prompt prefilled through `prefix_cache`.
+
+    `chunk` is the prefill chunk (snapshot forms are captured at chunk ends, see `prefill_with_prefix_cache`).
 
     Returns:
         i32[<= max_new_tokens] new token ids (and the Plan when `return_plan`).
@@ -123,7 +125,7 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     last, cache, plan = prefill_with_prefix_cache(model, ids, prefix_cache, namespace=namespace,
-                                                  capacity=pick_capacity(ids.size + max_new_tokens))
+                                                  capacity=pick_capacity(ids.size + max_new_tokens), chunk=chunk)
     first = jnp.argmax(last).astype(jnp.int32)[None]
     toks = [int(first[0])]
     if max_new_tokens > 1:
