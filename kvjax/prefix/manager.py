@@ -82,6 +82,7 @@ class PrefixCache:
         self.trees: dict[str, tuple[Namespace, RadixTree]] = {}
         self.lock = threading.RLock()
         self.pending: list = []
+        self._abandoned: collections.deque = collections.deque()  # leases of collected plans, released under the lock
         self.metrics = Metrics()
         self.tenant_metrics: dict[str, Metrics] = collections.defaultdict(Metrics)
         self._clock = itertools.count(1)
@@ -137,12 +138,39 @@ class PrefixCache:
                     m.misses[s.kind][s.cause] += sign * s.tokens
 
     def release(self, lease: Lease) -> None:
+        """Unpin what `lease` pins (idempotent)."""
         with self.lock:
             if lease.released:
                 return
             lease.released = True
             for e in lease.entries:
                 e.pins -= 1
+
+    def abandon(self, lease: Lease) -> None:
+        """Release the lease of a plan that was garbage collected (its finalizer calls this).
+
+        A finalizer runs wherever the collector happens to run, possibly inside code that holds other locks while
+        another thread holds this cache's: so it never waits for the lock. If the lock is free (or held by this
+        thread) the lease is released now, else at the start of the next operation that takes the lock.
+        """
+        if self.lock.acquire(blocking=False):
+            try:
+                self.release(lease)
+            finally:
+                self.lock.release()
+        else:
+            self._abandoned.append(lease)  # deque.append is atomic: no lock needed
+
+    def _reap(self) -> None:
+        while self._abandoned:
+            self.release(self._abandoned.popleft())
+
+    def pinned(self) -> int:
+        """Pins held right now, over every entry (0 when no plan is alive)."""
+        with self.lock:
+            self._reap()
+            return sum(e.pins for _, tree in self.trees.values() for blk in tree.iter_blocks()
+                       for e in (*blk.path.values(), *blk.snap.values()))
 
     # ------------------------------------------------------------------------------------------------ execute
     def execute(self, plan: Plan, cache) -> tuple[Any, Plan]:
@@ -566,7 +594,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------------------------ publishing
     def _drain(self, wait: bool = False) -> None:
-        """Publish copies whose bytes are complete (host: `is_ready()`, store: future done)."""
+        """Publish copies whose bytes are complete (host: `is_ready()`, store: future done); release abandoned leases."""
+        self._reap()
         keep = []
         for kind, e, obj in self.pending:
             if kind == HOST:
@@ -619,6 +648,7 @@ class PrefixCache:
                 nothing about the cache's contents or other tenants.
         """
         with self.lock:
+            self._reap()
             if tenant is not None:
                 m = self.tenant_metrics.get(tenant)
                 return (m or Metrics()).as_dict()

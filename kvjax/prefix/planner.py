@@ -32,7 +32,7 @@ from kvjax.prefix.plan import CAPACITY, COMPATIBILITY, FormPlan, Lease, Plan, Sh
 BOUNDARY = "boundary"
 
 
-def _why(e, tiers, excluded_why: str) -> str:
+def _why(e, excluded_why: str) -> str:
     if e is None:
         return "not admitted"
     return excluded_why if e.tier() else e.why
@@ -63,7 +63,7 @@ def _attach_lease(pc, plan: Plan, pins: list) -> Plan:
         e.pins += 1
     plan.lease = Lease(pc, pins, [e.generation for e in pins])
     # An abandoned plan (never executed nor released) must not pin its entries for ever: its lease goes with it.
-    weakref.finalize(plan, plan.lease.release).atexit = False
+    weakref.finalize(plan, pc.abandon, plan.lease).atexit = False
     return plan
 
 
@@ -108,7 +108,7 @@ def build_plan(pc, ns, tokens: np.ndarray, *, prompt_logprobs: bool, tiers: tupl
             e = blk.path.get(spec.name)
             t = None if e is None else e.tier(tiers)
             if t is None:
-                why = _why(e, tiers, excluded_why)
+                why = _why(e, excluded_why)
                 break
             e.last_access = now
             ents.append(e)
@@ -132,7 +132,7 @@ def build_plan(pc, ns, tokens: np.ndarray, *, prompt_logprobs: bool, tiers: tupl
             if c > b:
                 blk = blocks[c // P - 1]
                 spec = next(s for s in pc.snap_forms if not blk.snap[s.name].tier(tiers))
-                why = _why(blk.snap[spec.name], tiers, excluded_why)
+                why = _why(blk.snap[spec.name], excluded_why)
                 shortfalls.append(Shortfall(CAPACITY, why, f"snapshot at {c} {why}", spec.name, tokens=c - b))
             top = max(b, c)
             if top < A:

@@ -3,10 +3,11 @@
 Identity. The namespace is the prefix cache's (`kvjax.prefix.identity.make_namespace`: weights content fingerprint
 that follows in-place leaf updates, tokenizer/template content hashes, adapters as (content fingerprint, scale),
 every config field that changes keys/values, kv dtype, the runtime — kernel ABI, attention implementation, mesh,
-device kind, jax/jaxlib — and the tenant salt) with this package's full-cache format as its representation; the prefix key is BLAKE2b(namespace, prompt token ids), and the stored token ids are re-compared
-on every hit (a digest is an address, not a proof). A draft cache is a second, lossy representation of the same
-prefix: its key adds the compressor's name and EVERY field of its settings (ratio, sinks, window, bits, ...), the
-recent-ring size and the draft format version, so a StreamingLLM 4x draft is never served for a SnapKV or 8x one.
+device kind, jax/jaxlib — and the tenant salt) with this package's full-cache format as its representation; the
+prefix key is BLAKE2b(namespace, prompt token ids), and the stored token ids are re-compared on every hit (a digest
+is an address, not a proof). A draft cache is a second, lossy representation of the same prefix: its key adds the
+compressor's name and EVERY field of its settings (ratio, sinks, window, bits, ...), the recent-ring size and the
+draft format version, so a StreamingLLM 4x draft is never served for a SnapKV or 8x one.
 
 Layout under `<namespace>/<prefix>/`:
   - `full/`: bundles `head` (logits f32[V] at the last prompt position, tokens i32[P]) and `layer-000`, ... one per

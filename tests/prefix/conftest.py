@@ -61,12 +61,7 @@ def cold():
 def pins():
     """pins(pc) -> total pin count over every entry the cache knows (0 when no plan is alive)."""
 
-    def count(pc):
-        with pc.lock:
-            return sum(e.pins for _, tree in pc.trees.values() for blk in tree.iter_blocks()
-                       for e in (*blk.path.values(), *blk.snap.values()))
-
-    return count
+    return lambda pc: pc.pinned()
 
 
 @pytest.fixture

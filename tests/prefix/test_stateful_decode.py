@@ -16,6 +16,7 @@ happened in any run so far).
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import shutil
@@ -54,12 +55,14 @@ CAUSES = {"compatibility": {"identity", "token divergence", "not cached", "bypas
 
 COLD: dict = {}
 STATS = dict(ops=0, decodes=0, hits=0, near_ties=0)
+KINDS: collections.Counter = collections.Counter()  # operations by kind
 _stats_lock = threading.Lock()
 
 
-def _op(n: int = 1) -> None:
+def _op(kind: str) -> None:
     with _stats_lock:
-        STATS["ops"] += n
+        STATS["ops"] += 1
+        KINDS[kind] += 1
 
 
 def make_cache(root) -> PrefixCache:
@@ -97,12 +100,6 @@ def check_plan(plan) -> None:
 
 def counted(m: dict) -> int:
     return m["hit_tokens"] + sum(sum(c.values()) for c in m["misses"].values())
-
-
-def pins(pc) -> int:
-    with pc.lock:
-        return sum(e.pins for _, tree in pc.trees.values() for blk in tree.iter_blocks()
-                   for e in (*blk.path.values(), *blk.snap.values()))
 
 
 _tokens = st.integers(0, VOCAB - 1)
@@ -146,7 +143,7 @@ class DecodeMachine(RuleBasedStateMachine):
         after = self.pc.stats()
         assert after["prompt_tokens"] - before["prompt_tokens"] == len(prompt)
         assert counted(after) - counted(before) == len(prompt)
-        _op()
+        _op("decode")
 
     @rule(i=st.integers(0, 7), extra=st.lists(_tokens, min_size=1, max_size=9), tenant=st.sampled_from(TENANTS))
     def next_turn(self, i, extra, tenant):
@@ -175,19 +172,19 @@ class DecodeMachine(RuleBasedStateMachine):
         if release:
             plan.lease.release()
         del plan
-        _op()
+        _op("lookup" + (" + execute" if execute else "") + ("" if release else " abandoned"))
 
     # -- the cache's life ----------------------------------------------------------------------------------------
     @rule(form=st.sampled_from(["dense", "swa"]), tier=st.sampled_from(["device", "host", "store"]),
           k=st.integers(1, 8))
     def evict(self, form, tier, k):
         self.pc.evict(form, tier, k)
-        _op()
+        _op("evict")
 
     @rule()
     def flush(self):
         self.pc.flush()
-        _op()
+        _op("flush")
 
     @rule(flush=st.booleans(), now=st.integers(0, 2))
     def restart(self, flush, now):
@@ -197,7 +194,7 @@ class DecodeMachine(RuleBasedStateMachine):
             self.pc.flush()
         self.pc = make_cache(self.dir)
         self.lookups = 0
-        _op()
+        _op("restart")
 
     @rule(version=st.integers(0, len(WK) - 1), copy=st.booleans(), now=st.integers(0, 2))
     def update_weights(self, version, copy, now):
@@ -206,7 +203,7 @@ class DecodeMachine(RuleBasedStateMachine):
             return
         MODEL.params["layers"][0]["wk"] = jnp.array(WK[version]) if copy else WK[version]
         self.version = version
-        _op()
+        _op("weight update")
 
     @rule(i=st.integers(0, 1 << 16), damage=st.sampled_from(["flip", "truncate", "not an object", "empty",
                                                             "swap"]))
@@ -231,7 +228,7 @@ class DecodeMachine(RuleBasedStateMachine):
             open(path, "wb").write(raw)
         except FileNotFoundError:  # deleted by a cache in the meantime
             pass
-        _op()
+        _op("corrupt store entry")
 
     @rule(i=st.integers(0, 1 << 16), bad=st.sampled_from(["dtype", "shape"]))
     def corrupt_host(self, i, bad):
@@ -241,7 +238,7 @@ class DecodeMachine(RuleBasedStateMachine):
                 e = held[i % len(held)]
                 x = np.asarray(e.host)
                 e.host = jax.device_put(x.astype(np.float16) if bad == "dtype" else x[..., :-1], host_sharding())
-        _op()
+                _op("corrupt host copy")
 
     @rule(seed=st.integers(0, 1 << 16))
     def threads(self, seed):
@@ -258,15 +255,17 @@ class DecodeMachine(RuleBasedStateMachine):
                         prompt = tuple(sys + [int(x) for x in r.integers(0, VOCAB, r.integers(1, 8))])
                         self._decode(prompt, TENANTS[r.integers(2)])
                         counts[t] += 1
+                        _op("thread decode")
                     elif op == 1:
                         plan = self.pc.lookup(model_namespace(MODEL, self.pc), np.asarray(SYSTEMS[0], np.int32))
                         check_plan(plan)
                         counts[t] += 1
                         del plan
+                        _op("thread lookup abandoned")
                     else:
                         self.pc.evict(["dense", "swa"][r.integers(2)], ["device", "host"][r.integers(2)],
                                       int(r.integers(1, 4)))
-                    _op()
+                        _op("thread evict")
             except Exception as e:  # noqa: BLE001 - reported below with the thread's seed
                 errors.append((t, repr(e)))
 
@@ -281,9 +280,9 @@ class DecodeMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------------------------------
     @invariant()
     def no_pin_outlives_its_plan(self):
-        if pins(self.pc):
+        if self.pc.pinned():
             gc.collect()  # a plan caught in a reference cycle is released when it is collected
-        assert pins(self.pc) == 0
+        assert self.pc.pinned() == 0
 
     @invariant()
     def every_miss_counted_once(self):
@@ -318,8 +317,8 @@ def _run(min_ops: int, examples: int, steps: int) -> tuple[int, float]:
             # the failing steps are printed as they ran
             phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck)))
     ops, secs = STATS["ops"] - start, time.perf_counter() - t0
-    print(f"\nstateful prefix cache: {ops} operations ({STATS['decodes']} decodes, {STATS['hits']} with a hit, "
-          f"{STATS['near_ties']} near-ties) in {secs:.1f} s")
+    print(f"\nstateful prefix cache: {ops} operations in {secs:.1f} s; all runs so far: {dict(KINDS)}; "
+          f"{STATS['decodes']} decodes, {STATS['hits']} with a hit, {STATS['near_ties']} near-ties")
     return ops, secs
 
 
