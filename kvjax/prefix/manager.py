@@ -265,22 +265,22 @@ class PrefixCache:
     def _check_memory_tiers(self, plan: Plan) -> None:
         """Verify what the plan reads from the device and host tiers (call under the lock).
 
-        Host copies get the byte-level checks (dtype, shape, memory kind); every entry's recorded token ids must be
-        the prompt's at its block. A failing copy is dropped from its tier ("corrupt") and the plan re-made.
+        Every entry's recorded token ids must be the prompt's at its block (one vectorised comparison per form), and
+        host copies get the byte-level checks (dtype, shape, memory kind). A failing copy is dropped from its tier
+        ("corrupt") and the plan re-made.
         """
         P, bad = self.P, []
         for spec in self.forms.specs:
             fp = plan.forms[spec.name]
-            for blk, tier in zip(fp.blocks, fp.tiers):
-                if tier == STORE:
-                    continue
-                e = self._entry(blk, spec)
-                s = blk.index * P
-                if e.tokens is not None and not np.array_equal(e.tokens, plan.tokens[s:s + P]):
-                    bad.append((e, tier))
-                elif tier == HOST and check_bytes(e.host, spec, "pinned_host"):
-                    bad.append((e, tier))
-        for e, tier in bad:
+            read = [(self._entry(blk, spec), tier) for blk, tier in zip(fp.blocks, fp.tiers) if tier != STORE]
+            recorded = [(e, tier) for e, tier in read if e.tokens is not None]
+            if recorded:
+                got = np.stack([e.tokens for e, _ in recorded])  # [n, P]
+                starts = np.asarray([e.block.index * P for e, _ in recorded])
+                want = plan.tokens[starts[:, None] + np.arange(P)]
+                bad += [recorded[i] for i in np.nonzero((got != want).any(axis=1))[0]]
+            bad += [(e, tier) for e, tier in read if tier == HOST and check_bytes(e.host, spec, "pinned_host")]
+        for e, tier in dict.fromkeys(bad):
             self._drop(e, tier, why="corrupt")
         if bad:
             raise _Replan("corrupt")

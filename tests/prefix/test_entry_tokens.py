@@ -51,3 +51,17 @@ def test_store_entry_header_carries_tokens(model, make_cache, run, prompt, tmp_p
         assert header["tokens"] == p[16 * i:16 * (i + 1)].tolist()
         seen.add(i)
     assert seen == {0, 1}
+
+
+def test_memory_tier_entries_are_compared_with_the_prompt_on_restore(model, make_cache, run, cold, prompt, pins):
+    pc = make_cache(model)
+    p = prompt(100)
+    run(model, pc, p)
+    (_, tree), = pc.trees.values()
+    blk = sorted(tree.iter_blocks(), key=lambda b: b.index)[3]
+    assert blk.path["dense"].tokens.tolist() == p[48:64].tolist()
+    blk.path["dense"].tokens = prompt(16, seed=7)  # as if the entry had been attached to another block
+    got, plan = run(model, pc, p)
+    np.testing.assert_allclose(got, cold(model, p), atol=2e-5, rtol=0)
+    assert plan.boundary <= 48 and pins(pc) == 0
+    assert pc.stats()["events"]["replan:corrupt"] == 1
