@@ -118,13 +118,19 @@ def mesh_descriptor(params) -> str:
 def _process_fields() -> dict[str, str]:
     import jaxlib
 
+    dev = jax.devices()[0]
+    return dict(kernel_abi=KERNEL_ABI, device_kind=str(dev.device_kind), platform=str(dev.platform),
+                jax=jax.__version__, jaxlib=jaxlib.__version__)
+
+
+def runtime_fields(params, attention: str | None = None) -> dict[str, str]:
+    """The representation fields of the running computation (see the module docstring) for `params`.
+
+    Args:
+        params: the params pytree (its shardings give the mesh); None = unsharded.
+        attention: the attention implementation the computation names (None = what the default dispatch picks on
+            this backend, `pallas_kernels.resolve(None)`).
+    """
     import pallas_kernels
 
-    dev = jax.devices()[0]
-    return dict(kernel_abi=KERNEL_ABI, attention=pallas_kernels.resolve(None), device_kind=str(dev.device_kind),
-                platform=str(dev.platform), jax=jax.__version__, jaxlib=jaxlib.__version__)
-
-
-def runtime_fields(params) -> dict[str, str]:
-    """The representation fields of the running computation (see the module docstring) for `params`."""
-    return {**_process_fields(), "mesh": mesh_descriptor(params)}
+    return {**_process_fields(), "attention": pallas_kernels.resolve(attention), "mesh": mesh_descriptor(params)}

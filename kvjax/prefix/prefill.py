@@ -46,7 +46,9 @@ def model_namespace(model, prefix_cache, *, tenant_salt: str = "", adapters: Seq
                           formats={s.name: s.fingerprint for s in forms.specs}, block_size=forms.block_size,
                           tokenizer_rev=tokenizer_rev, template_rev=template_rev,
                           adapters=model_identity.adapter_fields(adapters),
-                          runtime=model_identity.runtime_fields(model.params), tenant_salt=tenant_salt)
+                          # a FormSet that pins an attention implementation names it; else the default dispatch's
+                          runtime=model_identity.runtime_fields(model.params, getattr(forms, "implementation", None)),
+                          tenant_salt=tenant_salt)
 
 
 def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespace | None = None,

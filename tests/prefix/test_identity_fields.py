@@ -69,7 +69,7 @@ def test_a_store_shared_by_a_gpu_host_and_a_cpu_host_never_mixes_them(model, mak
     p = prompt(80)
     real = model_identity.runtime_fields
     monkeypatch.setattr(model_identity, "runtime_fields",
-                        lambda params: {**real(params), "device_kind": "NVIDIA H200", "platform": "gpu"})
+                        lambda *a: {**real(*a), "device_kind": "NVIDIA H200", "platform": "gpu"})
     gpu = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
     run(model, gpu, p)
     gpu.flush()
@@ -104,3 +104,12 @@ def test_adapters_are_content_fingerprints_with_scales(model, make_cache):
         ns([(lora, "high")])
     assert pe.prefix_namespace(model, adapters=[(lora, 0.5)]).semantic["adapters"] == \
         ns([(lora, 0.5)]).semantic["adapters"]
+
+
+def test_a_form_set_that_names_its_attention_implementation_is_another_namespace(model, make_cache):
+    pc = make_cache(model)
+    default = model_namespace(model, pc)
+    pc.forms.implementation = "pallas_interpret"
+    named = model_namespace(model, pc)
+    assert named.representation["attention"] == "pallas_interpret"
+    assert named.diff(default) == ["representation.attention"]
