@@ -20,16 +20,31 @@ def _flip_all(paths):
 def test_more_corrupt_entries_than_replans_still_recompute(model, make_cache, run, cold, prompt, pins, tmp_path,
                                                            store_files):
     url = str(tmp_path / "store")
-    p = prompt(100)
+    p = prompt(170)  # sliding-window snapshots at 32, 64, 96, 128 and 160
     pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
     run(model, pc, p)
     pc.flush()
-    _flip_all(store_files(url))  # 6 dense blocks and 3 sliding-window snapshots, all damaged
+    _flip_all(store_files(url, "swa"))  # every snapshot damaged: each one found makes the plan fall back further
     pc2 = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
     got, plan = run(model, pc2, p)
     np.testing.assert_allclose(got, cold(model, p), atol=2e-5, rtol=0)
     assert plan.boundary == 0 and pins(pc2) == 0
-    assert pc2.stats()["events"]["corrupt"] >= 6
+    assert pc2.stats()["events"]["corrupt"] == 5
+
+
+def test_every_damaged_entry_of_a_plan_is_dropped_at_once(model, make_cache, run, cold, prompt, pins, tmp_path,
+                                                         store_files):
+    url = str(tmp_path / "store")
+    p = prompt(100)
+    pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+    run(model, pc, p)
+    pc.flush()
+    _flip_all(store_files(url))  # 6 dense blocks and 3 snapshots
+    pc2 = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+    got, plan = run(model, pc2, p)
+    np.testing.assert_allclose(got, cold(model, p), atol=2e-5, rtol=0)
+    assert plan.boundary == 0 and pins(pc2) == 0
+    assert pc2.stats()["events"]["replan:corrupt"] == 1  # one re-plan for all of them
 
 
 def test_abandoned_plan_releases_its_pins(model, make_cache, run, prompt, pins):
