@@ -103,6 +103,7 @@ def _make_store(path):
     """A store written through the prefix cache's own tier code: one namespace, 3 blocks of 2 forms."""
     from kvjax.prefix.identity import block_keys, make_namespace
     from kvjax.prefix.layouts.llama import PATH, FormSpec
+    from kvjax.prefix.radix import Block
     from kvjax.prefix.tiers import StoreTier
     from kvjax.models.llama.config import config_from_hf
 
@@ -120,9 +121,10 @@ def _make_store(path):
     rng = np.random.default_rng(0)
     futs = []
     for i, k in enumerate(keys):
-        futs.append(st.write_block_record(ns.hex, k, keys[i - 1] if i else bytes(32), i, toks[4 * i:4 * i + 4]))
+        blk = Block(index=i, key=k, parent_key=keys[i - 1] if i else bytes(32), tokens=toks[4 * i:4 * i + 4])
+        futs.append(st.write_block_record(ns.hex, k, blk.parent_key, i, blk.tokens))
         for s in specs:
-            futs.append(st.write_entry(ns.hex, s, k, rng.standard_normal(s.entry_shape).astype(np.float32)))
+            futs.append(st.write_entry(ns.hex, s, blk, rng.standard_normal(s.entry_shape).astype(np.float32)))
     for f in futs:
         f.result()
     return ns, specs, keys

@@ -29,16 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.arrays import np_dtype
+
 from kvjax.cache.dense import DenseKV, ModelCache
 from kvjax.models.llama.cache import init_cache
-from kvjax.prefix.identity import digest
+from kvjax.prefix.hashing import digest
+from kvjax.prefix.runtime_identity import KERNEL_ABI
 from kvjax.models.layer_types import SLIDING
 from kvjax.models.llama.config import ModelConfig
 
 PATH = "path"
 SNAPSHOT = "snapshot"
 FORMAT_VERSION = 1
-KERNEL_ABI = "kvjax-jnp-attend-1"  # the attention definition the bytes are read by (models/attention.py)
 DEFAULT_BLOCK_SIZE = 64
 
 
@@ -156,7 +158,7 @@ class LlamaForms:
     def __init__(self, config: ModelConfig, dtype, block_size: int = DEFAULT_BLOCK_SIZE):
         self.config = config
         self.block_size = int(block_size)
-        self.dtype = np.dtype(dtype)
+        self.dtype = np_dtype(dtype)
         self.full = tuple(i for i, t in enumerate(config.layer_types) if t != SLIDING)
         self.sliding = tuple(i for i, t in enumerate(config.layer_types) if t == SLIDING)
         K, D, P = config.num_kv_heads, config.head_dim, self.block_size
