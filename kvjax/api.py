@@ -151,16 +151,35 @@ def _logprob(row, token: int) -> float:
     return float(row[token] - m - np.log(np.exp(row - m).sum()))
 
 
+def prefill(model: Model, ids: np.ndarray, capacity: int, *, prefix_cache=None, on_chunk=None):
+    """Prefill one prompt into a fresh cache of `capacity`: (last-row logits f32[V], cache, plan or None).
+
+    With a `kvjax.PrefixCache`, the prompt goes through it: what it holds is restored (the Plan says what and from
+    where), the rest is prefilled and inserted for later requests."""
+    if prefix_cache is None:
+        cache = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
+        last, cache = steps.prefill(model, cache, ids, on_chunk=on_chunk)
+        return last, cache, None
+    from kvjax.prefix.prefill import prefill_with_prefix_cache  # noqa: PLC0415 - the prefix cache sits above
+
+    last, cache, plan = prefill_with_prefix_cache(model, ids, prefix_cache, capacity=capacity)
+    if on_chunk is not None:
+        on_chunk(ids.size)
+    return last, cache, plan
+
+
 def _full_chunks(model: Model, ids: np.ndarray, max_new_tokens: int, sampling: Sampling, seed: int,
-                 logprobs: bool, rule: StopRule, on_prefill=None, warmup: bool = False) -> Iterator[tuple[list, list]]:
+                 logprobs: bool, rule: StopRule, on_prefill=None, warmup: bool = False,
+                 prefix_cache=None, plans: list | None = None) -> Iterator[tuple[list, list]]:
     """Full-cache decoding of one prompt, yielding (new tokens, their logprobs or []) per jitted chunk until the stop
     rule ends the run or `max_new_tokens` are out (the last chunk may run past both; callers cut).
 
     `warmup`: compile the decode chunk on a copy of the cache before the first token is yielded, so that a caller
-    timing from there times compiled code."""
-    cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
-                                    model.cache_dtype)
-    last, cache = steps.prefill(model, cache, ids, on_chunk=on_prefill)
+    timing from there times compiled code. `prefix_cache`: prefill through it (its Plan is appended to `plans`)."""
+    last, cache, plan = prefill(model, ids, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
+                                prefix_cache=prefix_cache, on_chunk=on_prefill)
+    if plans is not None:
+        plans.append(plan)
     seed_a = jnp.asarray([seed], jnp.int32)
     tok = vc.first_token(last, ids.size, seed_a, sampling)
 

@@ -57,6 +57,8 @@ def check_args(args) -> None:
             raise CliError("--offload cannot be combined with --tp/--dp (host offload is single-device)")
         if args.compare_full and args.prompts_file:
             raise CliError("--compare-full checks one prompt, not a --prompts-file batch")
+    if args.prefix_store and args.prompts_file:
+        raise CliError("--prefix-store takes one prompt, not a --prompts-file batch")
     if args.prompts_file and args.logprobs and args.mode == "vericache":
         raise CliError("--logprobs with --mode vericache takes one prompt, not a --prompts-file batch")
     check_output_path(args.json)
@@ -126,11 +128,13 @@ def _run_full(model, ids, args, text: TextStream):
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     deltas = DeltaBuilder(rule, n)
-    toks, lps, t0 = [], [], None
+    toks, lps, t0, plans = [], [], None, []
     with progress_bar(ids.size, "prefill") as pbar:
         chunks = api._full_chunks(model, ids, n, sampling, args.seed, args.logprobs, rule,
-                                  on_prefill=lambda d: pbar.update(d - pbar.n), warmup=args.warmup)
+                                  on_prefill=lambda d: pbar.update(d - pbar.n), warmup=args.warmup,
+                                  prefix_cache=args.prefix_cache, plans=plans)
         first, first_lp = next(chunks)
+    prefix = _prefix_report(plans[0] if plans else None)  # logged before any text streams
     t0 = time.perf_counter()
     bar = progress_bar(n, "decode") if not text.live else None
     for new, lp in _chain([(first, first_lp)], chunks):
@@ -147,7 +151,7 @@ def _run_full(model, ids, args, text: TextStream):
     if bar is not None:
         bar.close()
     g = finish(toks, rule, n, prompt_tokens=int(ids.size), logprobs=lps if args.logprobs else None)
-    return g, dict(tokens_per_s=round((len(g) - 1) / dt, 2) if len(g) > 1 and dt > 0 else None)
+    return g, dict(tokens_per_s=round((len(g) - 1) / dt, 2) if len(g) > 1 and dt > 0 else None, **prefix)
 
 
 def _chain(*its):
@@ -169,9 +173,13 @@ def _run_vericache(model, ids, args, text: TextStream):
     x = args.draft_len or 16
     vericache.check_draft_len(model, x)
     comp = model.family.make_compressor(args.compressor or "streaming")
+    from kvjax import api
+
     with progress_bar(ids.size, "prefill") as pbar:
-        full, first = vericache.prefill_for(model, ids, n, max_draft=x, temperature=sampling, seed=args.seed,
-                                            on_chunk=lambda d: pbar.update(d - pbar.n))
+        last, full, plan = api.prefill(model, ids, vericache.capacity_for(ids.size, n, x),
+                                       prefix_cache=args.prefix_cache, on_chunk=lambda d: pbar.update(d - pbar.n))
+        first = vericache.first_token(last, ids.size, jnp.asarray([args.seed], jnp.int32), sampling)
+    prefix = _prefix_report(plan)
     kw = dict(compressor=comp, draft_len=x, offload=args.offload, temperature=sampling, seed=args.seed,
               rejection=args.rejection)
     warm_s = 0.0
@@ -199,7 +207,28 @@ def _run_vericache(model, ids, args, text: TextStream):
     if bar is not None:
         bar.close()
     g = finish(out, rule, n, prompt_tokens=int(ids.size), stats=stats)
-    return g, {**stats, "warmup_s": round(warm_s, 3)}
+    return g, {**stats, "warmup_s": round(warm_s, 3), **prefix}
+
+
+def _open_prefix_cache(args, model):
+    """A PrefixCache over `--prefix-store URL` (created when the location is empty, reused when it is a store)."""
+    if not args.prefix_store:
+        return None
+    import kvjax
+
+    store = args.prefix_store
+    if "://" not in store:
+        store = os.path.abspath(store)
+        os.makedirs(store, exist_ok=True)
+    return kvjax.PrefixCache(kvjax.forms_for(model.config, model.cache_dtype), store_url=store)
+
+
+def _prefix_report(plan) -> dict:
+    if plan is None:
+        return {}
+    log(f"prefix cache: {plan}")
+    return dict(prefix_hit_tokens=int(plan.boundary), prefix_recomputed_tokens=int(plan.prompt_tokens - plan.boundary),
+                prefix_plan=plan.summary())
 
 
 def _compare_full(args, model, ids, g) -> dict:
@@ -246,12 +275,17 @@ def cmd_generate(args) -> dict:
     from kvjax.api import check_token_ids
 
     ids = check_token_ids(model, ids)
+    args.prefix_cache = _open_prefix_cache(args, model)  # a location that is not a store fails here, before any work
     log(f"model {os.path.basename(os.path.normpath(args.model))} ({model.family.name}): "
         f"{model.config.num_layers} layers, prompt {ids.size} tokens, up to {args.new_tokens} new ({args.mode})")
     text = TextStream(enabled=not args.json_stdout and model.tokenizer is not None)
     t0 = time.perf_counter()
     runner = _run_full if args.mode == "full" else _run_vericache
-    g, stats = runner(model, ids, args, text)
+    try:
+        g, stats = runner(model, ids, args, text)
+    finally:
+        if args.prefix_cache is not None:
+            args.prefix_cache.flush()  # entries written to the store before the process ends
     dt = time.perf_counter() - t0
     text.end()
     if args.compare_full:
@@ -344,5 +378,8 @@ def register(sub) -> None:
                    help="CPU only: simulate N devices (sets XLA_FLAGS before JAX starts) to try --tp/--dp")
     m.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time the first (compiling) decode calls too")
+    g.add_argument("--prefix-store", metavar="URL",
+                   help="prefix cache in a TensorStore kvstore (a directory or file:// URL; gs://, s3:// where "
+                        "available): created when empty, reused after; reports the hit tokens")
     add_json(g)
     g.set_defaults(fn=cmd_generate)

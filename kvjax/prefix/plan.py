@@ -132,7 +132,18 @@ class Plan:
     def reasons(self) -> list[str]:
         return [f"{s.kind}:{s.cause}" + (f"[{s.form}]" if s.form else "") + f": {s.detail}" for s in self.shortfalls]
 
+    def __repr__(self) -> str:
+        """One line a person can read: what is restored from where, what is recomputed and why (never the arrays)."""
+        used = ", ".join(f"{k}: {f.reusable} reusable" + (f" from {'+'.join(sorted(f.used))}" if f.used else "")
+                         for k, f in self.forms.items())
+        why = "; ".join(self.reasons()) or "-"
+        return (f"Plan(restore {self.boundary} of {self.prompt_tokens} prompt tokens, recompute "
+                f"{self.prompt_tokens - self.boundary}; {used or 'no forms'}; shortfalls: {why})")
+
+    __str__ = __repr__
+
     def summary(self) -> dict:
+        """The plan as a JSON-ready dict."""
         return dict(prompt_tokens=self.prompt_tokens, matched=self.matched, boundary=self.boundary,
                     forms={k: dict(kind=f.kind, reusable=f.reusable, used=dict(f.used)) for k, f in self.forms.items()},
                     reasons=self.reasons(), lookup_ms=self.lookup_ms)

@@ -118,3 +118,37 @@ def test_version_help_and_broken_pipes():
     assert not missing, f"flags without help: {missing}"
     suites = cli.main.__globals__["bench"].bench_suites()
     assert "common" not in suites  # the benchmarks' helper module is not a benchmark
+
+
+def test_prefix_store_is_created_then_reused(tmp_path, capsys):
+    store = tmp_path / "store"
+    argv = ["generate", "--model", BUNDLED, "--long-prompt", "300", "--new-tokens", "6", "--prefix-store",
+            str(store), "--json"]
+    assert cli.main(argv) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert cold["prefix_hit_tokens"] == 0 and (store / "kvjax-prefix-store.json").exists()
+    assert cli.main(argv) == 0  # a new PrefixCache over the same store: what the first run wrote is read back
+    cap = capsys.readouterr()
+    warm = json.loads(cap.out)
+    assert warm["prefix_hit_tokens"] == 256 and warm["tokens"] == cold["tokens"]
+    assert "prefix cache: Plan(restore 256 of 300 prompt tokens" in cap.err
+    assert cli.main([*argv[:-1], "--mode", "vericache", "--draft-len", "4", "--compare-full", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["prefix_hit_tokens"] == 256 and res["identical_to_full_cache"] is True
+    # a directory that is not a store is refused, one line
+    other = tmp_path / "notastore"
+    other.mkdir()
+    (other / "weights.bin").write_bytes(b"x")
+    assert cli.main([*argv[:-2], str(other)]) == 2
+    assert "is not a kvjax prefix-cache store" in _error(capsys)
+
+
+def test_a_plan_prints_a_summary_not_arrays():
+    model = kvjax.load(BUNDLED)
+    pc = kvjax.PrefixCache(kvjax.forms_for(model.config, "f32"))
+    from kvjax.prefix.prefill import model_namespace
+
+    plan = pc.lookup(model_namespace(model, pc), np.arange(100, dtype=np.int32))
+    text = repr(plan)
+    assert text.startswith("Plan(restore 0 of 100 prompt tokens") and "array" not in text and len(text) < 400
+    plan.lease.release() if plan.lease is not None else None
