@@ -26,7 +26,7 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
 - offload (full cache in host memory between verifications): `offload_split(full, tail_capacity) -> (host_part,
   device_part)`; `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`;
   `offload_update(device_part, full, start, keep, prompt_len, *, block) -> device_part`.
-- the prefix cache: `prefix_layout(config, dtype, block_size) -> FormSet`.
+- the prefix cache: `prefix_layout(config, dtype, block_size) -> BlockLayout`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family
 and the feature.

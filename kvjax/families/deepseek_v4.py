@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvjax.families.base import Family
 from kvjax.models.deepseek_v4 import cache, config, draft, model, verify, weights
 from kvjax.models.deepseek_v4.config import DeepseekV4Config
-from kvjax.prefix.layouts.deepseek_v4 import HybridForms
+from kvjax.prefix.layouts.deepseek_v4 import DeepseekV4BlockLayout
 
 DEEPSEEK_V4 = Family(
     name="deepseek_v4",
@@ -27,5 +27,5 @@ DEEPSEEK_V4 = Family(
     draft_join=draft.draft_join,
     compressor=draft.make_compressor,
     compressors=draft.COMPRESSORS,
-    prefix_layout=HybridForms,
+    prefix_layout=DeepseekV4BlockLayout,
 )

@@ -29,7 +29,7 @@ import numpy as np
 from kvjax.errors import CorruptEntry, StaleLease
 from kvjax.prefix.entry import Entry, Metrics
 from kvjax.prefix.identity import ROOT_KEY, Namespace, block_keys
-from kvjax.prefix.layouts.llama import PATH, SNAPSHOT, FormSet
+from kvjax.prefix.layouts.llama import PATH, SNAPSHOT, BlockLayout
 from kvjax.prefix.plan import Lease, Plan
 from kvjax.prefix.planner import build_plan, cold_plan
 from kvjax.prefix.radix import Block, RadixTree
@@ -58,7 +58,7 @@ class PrefixCache:
     """A heterogeneous prefix cache over one model family's forms.
 
     Args:
-        forms: the family's FormSet (`kvjax.families.forms_for(config, dtype, block_size)`).
+        forms: the family's BlockLayout (`kvjax.families.forms_for(config, dtype, block_size)`).
         device_bytes, host_bytes, store_bytes: per-tier budgets, split per form by `admission_caps`.
         store_url: TensorStore kvstore URL or directory (`file://` default); None = no store tier. An empty location
             becomes a new store; a location that is not a kvjax store is refused (`tiers.StoreTier`).
@@ -66,7 +66,7 @@ class PrefixCache:
         store_timeout_s: a store read slower than this is a capacity miss ("tier timeout") and is recomputed.
     """
 
-    def __init__(self, forms: FormSet, *, device_bytes: int = 64 << 20, host_bytes: int = 256 << 20,
+    def __init__(self, forms: BlockLayout, *, device_bytes: int = 64 << 20, host_bytes: int = 256 << 20,
                  store_url: str | None = None, store_bytes: int = 16 << 30, shares: dict | None = None,
                  store_timeout_s: float = 10.0, max_meta_blocks: int = 1 << 20):
         self.forms = forms

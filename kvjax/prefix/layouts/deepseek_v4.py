@@ -125,8 +125,8 @@ def _restore(cache: HybridCache, comp, idx, swa, tail, boundary, *, P: int):
     return HybridCache(layers=tuple(layers), length=seen)
 
 
-class HybridForms:
-    """FormSet of a DeepSeek-V4 config: "compressed", "indexer" (path) and "swa", "tail" (snapshot)."""
+class DeepseekV4BlockLayout:
+    """BlockLayout of a DeepSeek-V4 config: "compressed", "indexer" (path) and "swa", "tail" (snapshot)."""
 
     def __init__(self, config, dtype, block_size: int | None = None):
         self.config = config

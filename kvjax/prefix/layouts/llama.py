@@ -8,7 +8,7 @@ A model's per-request state is split into *forms* (DESIGN.md idea 2). Each form 
 - **snapshot** forms are the state *at* a boundary: it rolls, so it cannot be assembled from blocks (the SWA ring,
   V4's uncompressed tail). A snapshot form serves exactly the boundaries where a snapshot was stored.
 
-A family plugs in through a `FormSet`: `specs`, `blocks(cache)` (all path blocks of a cache, static shape),
+A family plugs in through a `BlockLayout`: `specs`, `blocks(cache)` (all path blocks of a cache, static shape),
 `snapshot(cache)` (all snapshot forms at the cache's current length) and `restore(cache, staged, boundary)`.
 Everything shape-dependent is jitted once per capacity bucket (`max_blocks = capacity // P`).
 
@@ -80,7 +80,7 @@ class FormSpec:
         return digest(b"kvjax.format1", body.encode()).hex()[:32]
 
 
-class FormSet(Protocol):
+class BlockLayout(Protocol):
     """What a model family provides so the prefix cache can save and restore its state."""
 
     block_size: int
@@ -150,7 +150,7 @@ def _restore(cache: ModelCache, dense, swa, boundary, *, full, sliding):
     return ModelCache(layers=tuple(layers), length=b)
 
 
-class LlamaForms:
+class LlamaBlockLayout:
     """Forms of a Llama-family cache: "dense" (path; full layers' K/V per block) and "swa" (snapshot; every sliding
     layer's ring at a block boundary). The ring is not recoverable from blocks once it rolled, so it is snapshotted.
     """
