@@ -16,22 +16,39 @@ import numpy as np
 from kvjax.errors import WeightsError
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json` in a directory, as NumPy."""
+def _load_file(file: str) -> dict[str, np.ndarray]:
+    """One safetensors file, or WeightsError naming it (truncated, corrupt, not safetensors, unreadable)."""
     from safetensors.numpy import load_file
 
+    try:
+        return load_file(file)
+    except FileNotFoundError:
+        raise WeightsError(f"{file}: file not found") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types; the user needs the file and the cause
+        raise WeightsError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json` in a directory, as NumPy.
+
+    Raises:
+        WeightsError: naming the file that is missing, truncated or not safetensors.
+    """
     path = os.fspath(path)
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         out: dict[str, np.ndarray] = {}
         for s in shards:
-            out.update(load_file(os.path.join(path, s)))
+            out.update(_load_file(os.path.join(path, s)))
         return out
     if os.path.exists(single):
-        return load_file(single)
+        return _load_file(single)
     raise WeightsError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 

@@ -18,7 +18,8 @@ PACKAGES = ("kvjax", "pallas_kernels")
 # Layers, lowest first: a module may import only modules of its own layer or lower ones (DESIGN.md: cache -> models
 # -> decode -> serve/remote -> cli). A top-level module of `kvjax/` (api, model, errors, ...) is placed explicitly.
 LAYERS = [
-    ("pallas_kernels", "kvjax.errors", "kvjax.arrays", "kvjax.data", "kvjax.tokenizer", "kvjax.checkpoint"),
+    ("pallas_kernels", "kvjax.errors", "kvjax.arrays", "kvjax.data", "kvjax.tokenizer", "kvjax.checkpoint",
+     "kvjax.generation"),
     ("kvjax.cache",),
     ("kvjax.models", "kvjax.model"),
     ("kvjax.compress", "kvjax.sharding"),

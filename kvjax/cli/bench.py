@@ -17,7 +17,10 @@ def bench_suites() -> dict[str, str]:
     for f in sorted(os.listdir(SCRIPTS)):
         if f.startswith("bench_") and f.endswith(".py"):
             with open(os.path.join(SCRIPTS, f), encoding="utf-8") as fh:
-                head = fh.read(2000)
+                src = fh.read()
+            if '__name__ == "__main__"' not in src:  # a helper module of the benchmarks, not one itself
+                continue
+            head = src[:2000]
             doc = head.split('"""')[1].strip().splitlines()[0] if head.count('"""') >= 2 else ""
             out[f[len("bench_"):-3]] = doc
     return out

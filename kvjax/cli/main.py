@@ -1,14 +1,16 @@
 """The `kvjax` console command.
 
-    kvjax generate [--model DIR] (--prompt TEXT | --prompt-file F | --long-prompt N) [--chat] [--new-tokens M]
-                   [--mode full|vericache] [--compressor NAME] [--draft-len X] [--offload] [--compare-full]
-                   [--tp N --dp N] [--json [PATH]]
+    kvjax generate [--model DIR] (--prompt TEXT | --prompt-file F | --long-prompt N | --prompts-file F.jsonl)
+                   [--chat] [--new-tokens M] [--temperature T --top-p P --top-k K --min-p M --seed S]
+                   [--stop TEXT ...] [--ignore-eos] [--logprobs] [--mode full|vericache] [--compressor NAME]
+                   [--draft-len X] [--offload] [--compare-full] [--tp N --dp N] [--json [PATH]]
     kvjax bench NAME [--json [PATH]] [-- SCRIPT ARGS]      run scripts/bench_NAME.py (`kvjax bench --list`)
     kvjax cache STORE [--namespace HEX] [--verify] [--evict HEX | --evict-corrupt] [--json [PATH]]
     kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix] [--json [PATH]]
 
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
-Progress bars (tqdm) go to stderr on a terminal. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
+Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal.
+`kvjax --version` prints the version. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
 status, never a traceback (set KVJAX_DEBUG=1 to see one).
 """
 
@@ -22,14 +24,35 @@ import sys
 from kvjax.cli import bench, cache, generate, plot
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
+from kvjax.cli.output import check_output_path
+from kvjax.errors import KvjaxError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvjax import __version__
+
     p = argparse.ArgumentParser(prog="kvjax", description="Exact long-context decoding in JAX.")
+    p.add_argument("--version", action="version", version=f"kvjax {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for module in (generate, bench, cache, plot):
         module.register(sub)
     return p
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    plain = isinstance(e, (CliError, KvjaxError, ValueError, OSError))
+    return f"kvjax: error: {'' if plain else type(e).__name__ + ': '}{msg or type(e).__name__}"
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (`kvjax ... | head`): stop writing, no traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def main(argv=None) -> int:
@@ -38,30 +61,34 @@ def main(argv=None) -> int:
     if "--" in argv:  # `kvjax bench NAME -- SCRIPT ARGS`: everything after -- goes to the script untouched
         i = argv.index("--")
         argv, script_args = argv[:i], argv[i + 1:]
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError:  # --help / --version into a closed pipe
+        return _quiet_broken_pipe()
     args.script_args = script_args
     args.json_stdout = args.json == "-"
     try:
         if script_args and args.command != "bench":
             raise CliError(f"arguments after -- are for `kvjax bench` only, got {' '.join(script_args)}")
+        check_output_path(args.json)
         result = args.fn(args)
+        if args.command == "generate":
+            log(summary(result))
+        if args.json_stdout:
+            print(json.dumps(result, indent=1), flush=True)
+        elif args.json and not result.get("batch"):
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except KeyboardInterrupt:
         log("kvjax: interrupted")
         return 130
     except Exception as e:  # noqa: BLE001 - the promise is one line, not a traceback
         if os.environ.get("KVJAX_DEBUG"):
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        name = "" if isinstance(e, (CliError, ValueError, OSError)) else f"{type(e).__name__}: "
-        log(f"kvjax: error: {name}{msg or type(e).__name__}")
+        log(_one_line(e))
         return 2
-    if args.command == "generate":
-        log(summary(result))
-    if args.json_stdout:
-        print(json.dumps(result, indent=1))
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
     if result.get("identical_to_full_cache") is False:
         log("kvjax: error: VeriCache output differs from full-cache decoding")
         return 1

@@ -1,4 +1,8 @@
-"""Token selection: greedy, position-keyed exact sampling, and speculative rejection sampling.
+"""Token selection: greedy, position-keyed exact sampling with the usual filters, and speculative rejection sampling.
+
+`Sampling` is the one definition of a sampling configuration (temperature, top-k, top-p, min-p) for every mode:
+full-cache decoding, VeriCache's drafting and verification, its reference decoder and the schedulers all select
+tokens through `select_tokens`, which applies the same filters to the same logits, then the same noise.
 
 Exact sampling (Gumbel-max): the token at absolute position p is argmax(logits / temperature + g_p) with
 g_p = Gumbel noise from `fold_in(key(seed), p)`. The noise depends only on (seed, position), never on how many
@@ -13,11 +17,89 @@ position, stream) too, so runs are reproducible.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
+from kvjax.errors import InputError
+
 # independent noise streams per position
 STREAM_TOKEN, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A sampling configuration (static: hashable, passed to jitted steps as is).
+
+    Attributes:
+        temperature: 0 = greedy (argmax; the filters then change nothing); > 0 scales the logits.
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1 = all).
+        min_p: keep tokens whose probability is at least min_p times the most likely one's (0 = all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {p!r}")
+        if not (isinstance(m, (int, float)) and 0 <= m < 1):
+            raise InputError(f"min_p must be in [0, 1), got {m!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "min_p", float(m))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def as_sampling(temperature) -> Sampling:
+    """A `Sampling` from a temperature (float) or a `Sampling`."""
+    return temperature if isinstance(temperature, Sampling) else Sampling(temperature=temperature)
+
+
+def filtered_logits(logits: jax.Array, sampling) -> jax.Array:
+    """Logits f32[..., V] divided by the temperature, with the tokens the filters drop set to -inf.
+
+    The kept set is computed from the temperature-scaled distribution (as vLLM and transformers do); the most likely
+    token is always kept, so a row is never empty.
+    """
+    s = as_sampling(sampling)
+    x = logits.astype(jnp.float32) / (s.temperature if s.temperature > 0 else 1.0)
+    if not s.filtered:
+        return x
+    V = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1)  # descending; ties by index, the same in every caller
+    sx = jnp.take_along_axis(x, order, axis=-1)
+    keep = jnp.ones(sx.shape, bool)
+    if s.top_k > 0:
+        keep &= jnp.arange(V) < s.top_k
+    if s.top_p < 1.0 or s.min_p > 0.0:
+        probs = jax.nn.softmax(sx, axis=-1)
+        if s.top_p < 1.0:
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+            keep &= before < s.top_p
+        if s.min_p > 0.0:
+            keep &= probs >= s.min_p * probs[..., :1]
+    keep = keep.at[..., 0].set(True)
+    mask = jnp.put_along_axis(jnp.zeros(x.shape, bool), order, keep, axis=-1, inplace=False)
+    return jnp.where(mask, x, -jnp.inf)
 
 
 def position_keys(seed: jax.Array, positions: jax.Array, stream: int = STREAM_TOKEN) -> jax.Array:
@@ -32,25 +114,27 @@ def gumbel(seed, positions, vocab: int, stream: int = STREAM_TOKEN) -> jax.Array
     return jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32)))(keys)
 
 
-def select_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, temperature: float) -> jax.Array:
+def select_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, temperature) -> jax.Array:
     """Tokens i32[B, T] for logits f32[B, T, V] producing the tokens at absolute `positions` i32[B, T].
 
-    temperature 0 (static) is greedy argmax; otherwise position-keyed Gumbel-max sampling.
+    `temperature` (static): a float or a `Sampling`. Greedy is argmax; otherwise position-keyed Gumbel-max sampling
+    over the filtered distribution.
     """
-    if temperature == 0.0:
+    s = as_sampling(temperature)
+    if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     g = gumbel(seed, positions, logits.shape[-1])
-    return jnp.argmax(logits / temperature + g, axis=-1).astype(jnp.int32)
+    return jnp.argmax(filtered_logits(logits, s) + g, axis=-1).astype(jnp.int32)
 
 
-def sample_draft(logits: jax.Array, positions: jax.Array, seed: jax.Array, temperature: float) -> jax.Array:
-    """Draft tokens i32[B, T] ~ softmax(logits / temperature) for rejection sampling (draft noise stream)."""
+def sample_draft(logits: jax.Array, positions: jax.Array, seed: jax.Array, temperature) -> jax.Array:
+    """Draft tokens i32[B, T] ~ the filtered softmax for rejection sampling (draft noise stream)."""
     g = gumbel(seed, positions, logits.shape[-1], STREAM_DRAFT)
-    return jnp.argmax(logits / temperature + g, axis=-1).astype(jnp.int32)
+    return jnp.argmax(filtered_logits(logits, temperature) + g, axis=-1).astype(jnp.int32)
 
 
 def rejection_accept(p_logits: jax.Array, q_logits: jax.Array, drafts: jax.Array, positions: jax.Array,
-                     seed: jax.Array, temperature: float):
+                     seed: jax.Array, temperature):
     """Speculative rejection sampling over one verified block.
 
     Args:
@@ -64,8 +148,8 @@ def rejection_accept(p_logits: jax.Array, q_logits: jax.Array, drafts: jax.Array
     """
     B, X1, V = p_logits.shape
     x = X1 - 1
-    p = jax.nn.softmax(p_logits / temperature, axis=-1)
-    q = jax.nn.softmax(q_logits / temperature, axis=-1)
+    p = jax.nn.softmax(filtered_logits(p_logits, temperature), axis=-1)
+    q = jax.nn.softmax(filtered_logits(q_logits, temperature), axis=-1)
     pd = jnp.take_along_axis(p[:, :x], drafts[..., None], axis=-1)[..., 0]
     qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     keys = position_keys(seed, positions[:, :x], STREAM_ACCEPT)

@@ -80,53 +80,54 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
 
 
 def decode_loop(forward, cache, first: jax.Array, start: jax.Array, num_steps: int, seed: jax.Array,
-                temperature: float):
+                temperature, return_logprobs: bool = False):
     """`num_steps` one-token steps in one `lax.fori_loop` (call inside a jitted function).
 
     Args:
         forward: `(cache, tokens i32[B, 1], n_valid i32[B]) -> (logits f32[B, 1, V], cache)` for any family.
         first: i32[B] the token to feed first (already emitted, not yet in the cache).
         start: i32[B] absolute position of `first` (the produced tokens take start + 1, start + 2, ...).
-        seed: i32[B] sampling seeds; temperature: static, 0 = greedy (see `sampling.select_tokens`).
+        seed: i32[B] sampling seeds; temperature: static float or `sampling.Sampling` (see `select_tokens`).
+        return_logprobs: also return each produced token's log-probability under the raw logits.
 
     Returns:
-        (i32[B, num_steps] the tokens produced after `first`, cache).
+        (i32[B, num_steps] the tokens produced after `first`, cache) — plus f32[B, num_steps] logprobs when asked.
     """
     B = first.shape[0]
     ones = jnp.ones((B,), jnp.int32)
 
     def body(i, carry):
-        tok, cache, out = carry
+        tok, cache, out, lps = carry
         logits, cache = forward(cache, tok[:, None], ones)
         nxt = sampling.select_tokens(logits, (start + 1 + i)[:, None], seed, temperature)[:, 0]
-        return nxt, cache, out.at[:, i].set(nxt)
+        if return_logprobs:
+            lp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+            lps = lps.at[:, i].set(jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0])
+        return nxt, cache, out.at[:, i].set(nxt), lps
 
     out = jnp.zeros((B, num_steps), jnp.int32)
-    _, cache, out = jax.lax.fori_loop(0, num_steps, body, (first.astype(jnp.int32), cache, out))
-    return out, cache
+    lps = jnp.zeros((B, num_steps if return_logprobs else 0), jnp.float32)
+    _, cache, out, lps = jax.lax.fori_loop(0, num_steps, body, (first.astype(jnp.int32), cache, out, lps))
+    return (out, cache, lps) if return_logprobs else (out, cache)
 
 
-def greedy_loop(forward, cache, first: jax.Array, num_steps: int):
-    """`decode_loop` with argmax selection (positions and seeds unused)."""
-    B = first.shape[0]
-    z = jnp.zeros((B,), jnp.int32)
-    return decode_loop(forward, cache, first, z, num_steps, z, 0.0)
-
-
-@functools.partial(jax.jit, static_argnames=("num_steps", "temperature", "family", "impl"), donate_argnames="cache")
-def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_steps: int, temperature: float = 0.0,
-           family, impl: str):
+@functools.partial(jax.jit, static_argnames=("num_steps", "temperature", "return_logprobs", "family", "impl"),
+                   donate_argnames="cache")
+def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_steps: int, temperature=0.0,
+           return_logprobs: bool = False, family, impl: str):
     """Plain full-cache decoding: `num_steps` one-token steps inside one `lax.fori_loop`.
 
     Args:
         first: i32[B] the token to feed first (already emitted, not yet in the cache; its position is cache.length).
         seed: i32[B] sampling seeds (unused when greedy).
+        temperature: a float or a `sampling.Sampling` (static).
+        return_logprobs: also return the produced tokens' log-probabilities f32[B, num_steps].
 
     Returns:
-        (i32[B, num_steps] the tokens produced after `first`, cache).
+        (i32[B, num_steps] the tokens produced after `first`, cache) — plus the logprobs when asked.
     """
     fwd = functools.partial(_forward, family, impl, params, config)
-    return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature)
+    return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature, return_logprobs)
 
 
 def truncate_at_eos(tokens: np.ndarray, eos_token_ids) -> np.ndarray:

@@ -73,22 +73,25 @@ def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
 
 
 def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="streaming", draft_len: int = 8,
-                       offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
+                       offload: bool = False, temperature=0.0, seed: int = 0, rejection: bool = False,
                        adaptive: tuple | None = None, recent_slots: int = 256, compressor_kw: dict | None = None,
-                       progress=None, return_logits: bool = False):
+                       progress=None, return_logits: bool = False, should_stop=None):
     """Exact decoding of one prompt with a lossy draft cache and full-cache verification.
 
     Args:
         model: a `kvjax.Model` of any family.
         prompt_ids: i32[P] prompt token ids.
-        max_new_tokens: tokens to emit (no EOS stop: the benchmark compares fixed lengths).
+        max_new_tokens: tokens to emit (a fixed length unless `should_stop` ends the run earlier).
         compressor: a draft maker or one of `model.family.compressors` by name; `compressor_kw` are its fields.
         draft_len: x, tokens drafted per round (static).
         offload: keep the prompt's full state in pinned host memory between verifications.
-        temperature: 0 = greedy; > 0 = position-keyed exact sampling (or rejection sampling when `rejection`).
+        temperature: 0 = greedy; > 0 = position-keyed exact sampling (or rejection sampling when `rejection`); or a
+            `sampling.Sampling` (temperature with top-k / top-p / min-p filters, applied identically everywhere).
         adaptive: static ascending set of x values to adapt over (starting at draft_len, which must be in it).
         recent_slots: draft ring slots for decoded tokens.
-        progress: optional callback(tokens_emitted, new_tokens i32[k]) after every round.
+        progress: optional callback(tokens_emitted, new_tokens i32[k]): the first token, then every round's.
+        should_stop: optional callable(tokens emitted so far) -> bool, asked after every round: True ends the run
+            there (the caller cuts at its exact stop token).
         return_logits: also return the logits row that chose each token, f32[max_new_tokens, V] (the first from the
             prefill, the rest from verification): bit-identical to `reference_decode(..., return_logits=True)`.
 
@@ -98,7 +101,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if rejection and temperature <= 0:
+    if rejection and sampling.as_sampling(temperature).greedy:
         raise InputError("rejection sampling needs temperature > 0")
     comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
     xs = _draft_lengths(model, draft_len, adaptive)
@@ -106,7 +109,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
                                             temperature=temperature, seed=seed, return_logits=True)
     return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
-                         recent_slots=recent_slots, progress=progress,
+                         recent_slots=recent_slots, progress=progress, should_stop=should_stop,
                          first_logits=first_logits if return_logits else None)
 
 
@@ -125,7 +128,7 @@ def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, tempe
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
                   adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None,
-                  first_logits=None):
+                  first_logits=None, should_stop=None):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
     Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
@@ -171,6 +174,10 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
 
     out = [int(first[0])]
     rows = None if first_logits is None else [np.asarray(first_logits)[None]]
+    if progress is not None:
+        progress(1, np.asarray(first))
+    if should_stop is not None and should_stop(out):
+        max_new_tokens = 1
     last = first
     x = draft_len
     t_start = time.perf_counter()
@@ -210,6 +217,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             progress(min(len(out), max_new_tokens), new)
         if len(xs) > 1:
             x = _next_x(xs, x, n_host)
+        if should_stop is not None and should_stop(out):
+            break
     met.decode_s = time.perf_counter() - t_start
     toks = np.asarray(out[:max_new_tokens], np.int32)
     met.emitted = int(toks.size)
@@ -220,7 +229,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
 
 def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int = 8, temperature: float = 0.0,
                      seed: int = 0, max_draft: int | None = None, return_margins: bool = False,
-                     return_logits: bool = False):
+                     return_logits: bool = False, progress=None):
     """kvjax's full-cache reference decoder: one token per step through the verify shape (T = x + 1, row 0).
 
     Args:
@@ -228,6 +237,7 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
         max_draft: largest x of an adaptive run (sets the cache capacity like `generate_vericache`).
         return_margins: also return f32[max_new_tokens] top-1 minus top-2 logit at each step.
         return_logits: also return the logits row that chose each token, f32[max_new_tokens, V].
+        progress: optional callback(tokens_done).
 
     Returns:
         tokens i32[max_new_tokens] (then margins, then logits, as asked).
@@ -252,6 +262,8 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
             margins.append(_margin(row[0]))
         if return_logits:
             rows.append(np.asarray(row[0]))
+        if progress is not None:
+            progress(len(out))
     result = [np.asarray(out, np.int32)]
     if return_margins:
         result.append(np.asarray(margins, np.float32))

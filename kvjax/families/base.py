@@ -32,7 +32,7 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`; `offload_update(device_part, full,
   start, keep, prompt_len, *, block) -> device_part`.
 - tensor parallelism: `shard_params(params, config, mesh, *, vocab=None) -> params` placed on a ("dp", "tp") mesh.
-- the prefix cache: `prefix_layout(config, dtype, block_size) -> FormSet`.
+- the prefix cache: `prefix_layout(config, dtype, block_size) -> BlockLayout`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family
 and the feature.

@@ -10,7 +10,7 @@ from kvjax.families.base import Family
 from kvjax.models.deepseek_v4 import cache, config, draft, model, offload, verify, weights
 from kvjax.models.deepseek_v4.config import DeepseekV4Config
 from kvjax.models.deepseek_v4.sharding import param_specs
-from kvjax.prefix.layouts.deepseek_v4 import HybridForms
+from kvjax.prefix.layouts.deepseek_v4 import DeepseekV4BlockLayout
 
 
 def shard_params(params, config_: DeepseekV4Config, mesh, *, vocab: bool | None = None):
@@ -43,6 +43,6 @@ DEEPSEEK_V4 = Family(
     offload_split=offload.offload_split,
     offload_join=offload.offload_join,
     offload_update=offload.offload_update,
-    prefix_layout=HybridForms,
+    prefix_layout=DeepseekV4BlockLayout,
     shard_params=shard_params,
 )

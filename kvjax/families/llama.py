@@ -9,7 +9,7 @@ from kvjax.families.base import Family
 from kvjax.models.attention import make_attention_fn
 from kvjax.models.llama import cache, draft, model, offload, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
-from kvjax.prefix.layouts.llama import LlamaForms
+from kvjax.prefix.layouts.llama import LlamaBlockLayout
 
 
 def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implementation: str | None = None):
@@ -41,6 +41,6 @@ LLAMA = Family(
     offload_split=offload.offload_split,
     offload_join=offload.offload_join,
     offload_update=offload.offload_update,
-    prefix_layout=LlamaForms,
+    prefix_layout=LlamaBlockLayout,
     shard_params=sharding.shard_params,
 )

@@ -37,7 +37,7 @@ def family_of_config(config) -> Family:
 
 
 def forms_for(config, dtype, block_size: int | None = None):
-    """The prefix-cache FormSet (block layout) of a model config: `family.prefix_layout(config, dtype, block_size)`.
+    """The prefix-cache BlockLayout (block layout) of a model config: `family.prefix_layout(config, dtype, block_size)`.
 
     Args:
         block_size: tokens per block `P` (default: the family's).

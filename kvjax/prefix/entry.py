@@ -26,6 +26,7 @@ class Entry:
     why: str = "not admitted"  # why it is unavailable, when it is
     last_access: int = 0
     priority: int = 0
+    tokens: Any = None  # i32[P] the token ids of the prompt its bytes were computed from (compared on restore)
 
     def tier(self, allowed=TIERS) -> str | None:
         if self.slot is not None and DEVICE in allowed:
@@ -38,13 +39,17 @@ class Entry:
 
 
 class Metrics:
-    """Counters: reuse per form and tier, misses by kind and cause (in tokens), lookup latency."""
+    """Counters: reuse per form and tier, misses by kind and cause (in tokens), lookup latency.
+
+    Every prompt token of every request is counted once, as a hit or under one (kind, cause) of its plan
+    (`plan.Shortfall`): `prompt_tokens == hit_tokens + sum(misses)`. A re-plan replaces its request's counts.
+    """
 
     def __init__(self):
         self.lookups = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
-        self.lookup_ms: list[float] = []
+        self.lookup_ms: collections.deque = collections.deque(maxlen=4096)  # the latest lookups only: bounded
         self.reused_tokens = collections.defaultdict(collections.Counter)  # form -> tier -> tokens
         self.reused_blocks = collections.defaultdict(collections.Counter)  # form -> tier -> entries
         self.misses = {COMPATIBILITY: collections.Counter(), CAPACITY: collections.Counter(),
@@ -58,4 +63,5 @@ class Metrics:
                     lookup_ms_p50=ms[len(ms) // 2] if ms else None, lookup_ms_max=ms[-1] if ms else None,
                     reused_tokens={f: dict(c) for f, c in self.reused_tokens.items()},
                     reused_blocks={f: dict(c) for f, c in self.reused_blocks.items()},
-                    misses={k: dict(c) for k, c in self.misses.items()}, events=dict(self.events))
+                    misses={k: {c: n for c, n in cs.items() if n} for k, cs in self.misses.items()},
+                    events={k: n for k, n in self.events.items() if n})

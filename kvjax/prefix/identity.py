@@ -3,10 +3,13 @@
 A namespace has two typed parts (after LMCache's split, see REFERENCES.md "Prefix caching"):
 
 - **semantic** — what the model computes: the weights as a content fingerprint (never a name), tokenizer and
-  chat-template revisions, the adapter's content fingerprint and scale, and every config field that changes keys or
-  values (`ModelConfig.kv_fields()`: rope, windows, layer types, family, compression rates for hybrid families);
-- **representation** — how the bytes are stored: kv dtype, layout/format version (per-form fingerprints from
-  `layout.py`), kernel ABI, mesh/topology, block size.
+  chat-template revisions (content hashes), the adapters as (content fingerprint, scale) in order, and every config
+  field that changes keys or values (`ModelConfig.kv_fields()`: rope, windows, layer types, family, compression
+  rates for hybrid families);
+- **representation** — how the bytes are produced and stored: kv dtype, layout/format version (per-form
+  fingerprints from `layouts/`), block size, and the runtime (`runtime_identity.runtime_fields`): kernel ABI,
+  attention implementation, mesh, device kind and platform, jax/jaxlib versions — two computations that are not
+  bit-identical never share entries.
 
 plus a per-tenant salt that the server supplies. Sampling parameters are deliberately absent: they do not change
 keys/values. The digest is BLAKE2b over a canonical JSON encoding in which every field is a typed, named entry, so
@@ -14,7 +17,7 @@ one field's value can never be read as another's (an adapter name cannot collide
 `person` parameter separates the namespace, block-key and payload hash domains.
 
 Block keys chain `H(namespace, parent key, block token ids)`. A digest is an address, not a proof: a hit always
-re-compares token ids (radix.py) and store entries carry their tokens (tiers.py).
+re-compares token ids (radix.py) and every stored entry carries its block's token ids, compared on restore (tiers.py).
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any, Mapping
+import weakref
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
+
+from kvjax.prefix.hashing import canonical, digest
+from kvjax.prefix.runtime_identity import runtime_fields
 
 NAMESPACE_DOMAIN = b"kvjax.ns.v1"
 BLOCK_DOMAIN = b"kvjax.block.v1"
@@ -34,43 +41,55 @@ PAYLOAD_DOMAIN = b"kvjax.payload1"
 ROOT_KEY = bytes(32)
 
 
-def canonical(obj: Any) -> Any:
-    """JSON-safe canonical form: tuples -> lists, floats by repr (so 1.0 and 1 differ), dataclasses -> dicts."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {"__type__": type(obj).__name__, **{k: canonical(v) for k, v in dataclasses.asdict(obj).items()}}
-    if isinstance(obj, Mapping):
-        return {str(k): canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple)):
-        return [canonical(v) for v in obj]
-    if isinstance(obj, float):
-        return {"f": repr(obj)}
-    if isinstance(obj, (bool, int, str)) or obj is None:
-        return obj
-    if isinstance(obj, (np.integer, np.floating)):
-        return canonical(obj.item())
-    return {"repr": repr(obj)}
+# id(leaf) -> (weak reference to the leaf, digest of its bytes). Only `jax.Array` leaves are memoised: they are
+# immutable, so while the weak reference still points at the same object its bytes are the ones hashed. The weak
+# reference keeps nothing alive, and its callback forgets the id before the object's memory (and id) can be reused.
+_LEAF_DIGESTS: dict[int, tuple[weakref.ref, bytes]] = {}
 
 
-def digest(domain: bytes, *parts: bytes) -> bytes:
-    """32-byte BLAKE2b of length-prefixed `parts` in hash domain `domain` (<= 16 bytes)."""
-    h = hashlib.blake2b(digest_size=32, person=domain[:16])
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _LEAF_DIGESTS.get(key, (None,))[0] is ref:
+        del _LEAF_DIGESTS[key]
+
+
+def _hash_leaf(leaf) -> bytes:
+    a = np.asarray(leaf)
+    h = hashlib.blake2b(digest_size=32, person=b"kvjax.leaf1")
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # a byte view: no copy, any dtype (bf16 too)
     return h.digest()
 
 
-def weights_fingerprint(params) -> str:
-    """Content fingerprint of a params pytree: BLAKE2b over every leaf's path, dtype, shape and bytes.
+def leaf_digest(leaf) -> bytes:
+    """BLAKE2b of one array's dtype, shape and bytes; memoised for immutable `jax.Array`s (see `_LEAF_DIGESTS`).
 
-    A renamed checkpoint with the same weights keeps its cache; a retrained one with the same name does not.
+    Anything else (a NumPy array can be written in place) is hashed on every call.
     """
-    h = hashlib.blake2b(digest_size=32, person=b"kvjax.weights1")
+    if not isinstance(leaf, jax.Array):
+        return _hash_leaf(leaf)
+    key = id(leaf)
+    hit = _LEAF_DIGESTS.get(key)
+    if hit is not None and hit[0]() is leaf:
+        return hit[1]
+    d = _hash_leaf(leaf)
+    ref = weakref.ref(leaf, lambda r, key=key: _forget(key, r))
+    _LEAF_DIGESTS[key] = (ref, d)
+    return d
+
+
+def weights_fingerprint(params) -> str:
+    """Content fingerprint of a params pytree: BLAKE2b over every leaf's path and `leaf_digest`.
+
+    It follows the content, never the object: replacing a leaf inside the same dict (an RL step, a hot reload)
+    changes it; the same values in new objects (a renamed or re-loaded checkpoint) keep it. Each leaf's bytes are
+    hashed once per array object (on a GPU that is one device-to-host copy per new leaf), then looked up by identity.
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"kvjax.weights2")
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        a = np.asarray(leaf)
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(f"{a.dtype.str}{a.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
+        p = jax.tree_util.keystr(path).encode()
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+        h.update(leaf_digest(leaf))
     return h.hexdigest()
 
 
@@ -117,9 +136,9 @@ class Namespace:
 
 
 def make_namespace(config, *, weights: str, kv_dtype: str, formats: Mapping[str, str], block_size: int,
-                   tokenizer_rev: str = "", template_rev: str = "", adapter: str = "", adapter_scale: float = 1.0,
-                   kernel_abi: str = "jnp-ref-1", mesh: str = "single-device", tenant_salt: str = "") -> Namespace:
-    """Build the namespace of a model + cache layout.
+                   tokenizer_rev: str = "", template_rev: str = "", adapters: Sequence[tuple[str, float]] = (),
+                   runtime: Mapping[str, Any] | None = None, tenant_salt: str = "") -> Namespace:
+    """Build the namespace of a model + cache layout (`prefill.model_namespace` derives every argument from a model).
 
     Args:
         config: a config with `kv_fields()` (every field that changes keys/values).
@@ -127,13 +146,20 @@ def make_namespace(config, *, weights: str, kv_dtype: str, formats: Mapping[str,
         kv_dtype: cache dtype name ("float32", "bfloat16").
         formats: form name -> format/ABI fingerprint (`layout.FormSpec.fingerprint`).
         block_size: tokens per block `P`.
-        adapter: content fingerprint of the adapter weights ("" = none); adapter_scale its scale.
+        tokenizer_rev, template_rev: content hashes of the tokenizer and of the chat template
+            (`model_identity.tokenizer_revisions`; "" = the model has none).
+        adapters: (content fingerprint, scale) per adapter, in the order they are applied
+            (`model_identity.adapter_fields`).
+        runtime: what the running computation is besides the weights — kernel ABI, attention implementation, mesh,
+            device kind, platform, jax/jaxlib versions (`runtime_identity.runtime_fields`); default: this process,
+            unsharded.
         tenant_salt: per-tenant salt from the server.
     """
+    if runtime is None:
+        runtime = runtime_fields(None)
     semantic = {"weights": weights, "tokenizer_rev": tokenizer_rev, "template_rev": template_rev,
-                "adapter": adapter, "adapter_scale": float(adapter_scale), "kv_fields": config.kv_fields()}
-    representation = {"kv_dtype": kv_dtype, "formats": dict(formats), "kernel_abi": kernel_abi, "mesh": mesh,
-                      "block_size": int(block_size)}
+                "adapters": [[str(fp), float(scale)] for fp, scale in adapters], "kv_fields": config.kv_fields()}
+    representation = {"kv_dtype": kv_dtype, "formats": dict(formats), "block_size": int(block_size), **runtime}
     return Namespace(semantic=semantic, representation=representation, tenant_salt=tenant_salt)
 
 

@@ -6,6 +6,11 @@ writes are ordered by JAX data dependencies; host copies (asynchronous `device_p
 writes (TensorStore futures) sit in a pending list and are published by `_drain` when done. Eviction only clears
 availability of unpinned entries (a device entry is demoted to host when the host admits it) and bumps the entry's
 generation; it never changes what an available entry means. Every state change happens under one lock.
+
+Reliability rules (issue 17): a lookup decides with `planner.build_plan`, whose shortfalls count every prompt token
+once; `execute` verifies everything it reads and turns any number of failures into re-plans and, at worst, a full
+recompute, releasing every lease it abandons; admission never evicts the chain being inserted; a restarted cache
+holds its store caps from the start (`store_index`).
 """
 
 from __future__ import annotations
@@ -21,36 +26,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.errors import CorruptEntry, StaleLease
 from kvjax.prefix.entry import Entry, Metrics
 from kvjax.prefix.identity import ROOT_KEY, Namespace, block_keys
-from kvjax.prefix.layouts.llama import PATH, SNAPSHOT, FormSet
-from kvjax.prefix.plan import CAPACITY, COMPATIBILITY, FormPlan, Lease, Plan, Shortfall
+from kvjax.prefix.layouts.llama import PATH, SNAPSHOT, BlockLayout
+from kvjax.prefix.plan import Lease, Plan
+from kvjax.prefix.planner import build_plan, cold_plan
 from kvjax.prefix.radix import Block, RadixTree
 from kvjax.prefix.store_index import load_store_index
 from kvjax.prefix.tiers import (DEVICE, HOST, STORE, TIERS, DevicePool, StoreTier, admission_caps, check_bytes,
-    device_sharding, take_one, to_host)
-from kvjax.errors import CorruptEntry, StaleLease
+                                device_sharding, take_one, to_host)
 
+MAX_REPLANS = 4  # re-plans one request may make; after that it reads nothing and recomputes its whole prompt
 
 
 class _Replan(Exception):
-    def __init__(self, cause: str, tiers=TIERS):
+    """Raised inside `execute` when what a plan reads failed a check; the plan is re-made without it.
+
+    Attributes:
+        cause: the event name ("corrupt", "tier timeout", "lease moved").
+        tiers: the tiers the new plan may read (None: the same as the failed plan's).
+        why: the cause the new plan reports for entries held only in the excluded tiers (None: unchanged).
+    """
+
+    def __init__(self, cause: str, tiers=None, why: str | None = None):
         super().__init__(cause)
-        self.cause, self.tiers = cause, tiers
+        self.cause, self.tiers, self.why = cause, tiers, why
 
 
 class PrefixCache:
     """A heterogeneous prefix cache over one model family's forms.
 
     Args:
-        forms: the family's FormSet (`layout.forms_for(config, dtype, block_size)`).
+        forms: the family's BlockLayout (`kvjax.families.forms_for(config, dtype, block_size)`).
         device_bytes, host_bytes, store_bytes: per-tier budgets, split per form by `admission_caps`.
-        store_url: TensorStore kvstore URL or directory (`file://` default); None = no store tier.
+        store_url: TensorStore kvstore URL or directory (`file://` default); None = no store tier. An empty location
+            becomes a new store; a location that is not a kvjax store is refused (`tiers.StoreTier`).
         shares: form -> share of each tier's budget.
         store_timeout_s: a store read slower than this is a capacity miss ("tier timeout") and is recomputed.
     """
 
-    def __init__(self, forms: FormSet, *, device_bytes: int = 64 << 20, host_bytes: int = 256 << 20,
+    def __init__(self, forms: BlockLayout, *, device_bytes: int = 64 << 20, host_bytes: int = 256 << 20,
                  store_url: str | None = None, store_bytes: int = 16 << 30, shares: dict | None = None,
                  store_timeout_s: float = 10.0, max_meta_blocks: int = 1 << 20):
         self.forms = forms
@@ -66,7 +82,9 @@ class PrefixCache:
         self.trees: dict[str, tuple[Namespace, RadixTree]] = {}
         self.lock = threading.RLock()
         self.pending: list = []
+        self._abandoned: collections.deque = collections.deque()  # leases of collected plans, released under the lock
         self.metrics = Metrics()
+        self.tenant_metrics: dict[str, Metrics] = collections.defaultdict(Metrics)
         self._clock = itertools.count(1)
         self._zeros: dict = {}
         self.max_meta_blocks = max_meta_blocks
@@ -81,124 +99,46 @@ class PrefixCache:
 
         Args:
             ns: the request's namespace.
-            tokens: i32[T] prompt token ids (after chat templating).
+            tokens: i32[T] prompt token ids (after chat templating); may be empty.
             prompt_logprobs: the request needs per-prompt-token outputs: bypass (boundary 0).
             tiers: tiers the plan may read.
 
         Returns:
-            a Plan holding a Lease on every entry it reads (release it, or use `prefill`, which does).
+            a Plan holding a Lease on every entry it reads (release it, or use `prefill`, which does; a plan that is
+            dropped releases its lease when it is garbage collected). The request is counted here, once:
+            `prompt_tokens` and `lookups`, and its tokens as hits or misses by (kind, cause); a re-plan inside
+            `execute` replaces those counts.
         """
         t0 = time.perf_counter()
         tokens = np.asarray(tokens, np.int32).reshape(-1)
-        T, P = tokens.size, self.P
         with self.lock:
             self._drain()
-            fplans = {n: FormPlan(n, s.kind) for n, s in self.specs.items()}
-            shortfalls: list[Shortfall] = []
-            blocks, div = [], None
-            if prompt_logprobs:
-                shortfalls.append(Shortfall(COMPATIBILITY, "bypass", "prompt log-probs need every prompt token's "
-                                            "output", tokens=T))
-            else:
-                tree = self.trees.get(ns.hex)
-                if tree is not None:
-                    blocks, div = tree[1].match(tokens)
-                if not blocks and T >= P:
-                    fields = self._identity_miss(ns, tokens)
-                    if fields:
-                        shortfalls.append(Shortfall(COMPATIBILITY, "identity", f"fields {fields}", tokens=T))
-                        for f in fields:
-                            self.metrics.misses[COMPATIBILITY][f"identity:{f}"] += T
-            matched = len(blocks) * P
-            if div is not None:
-                shortfalls.append(Shortfall(COMPATIBILITY, "token divergence", f"token divergence at index {div}",
-                                            tokens=T - matched))
-            elif matched < T and not shortfalls:
-                shortfalls.append(Shortfall(COMPATIBILITY, "not cached", f"tokens [{matched}, {T}) not cached",
-                                            tokens=T - matched))
-            upper = min(T - 1, matched)  # the last prompt token is always recomputed: its logits are the output
-            now = next(self._clock)
-            # Per path form: leading available entries and their tiers, gathered in one pass. Only a few objects are
-            # allocated per lookup (parallel lists, no per-block tuples) so a 2048-block walk does not wake the GC.
-            avail = {}
-            for spec in self.path_forms:
-                name, ents, tl = spec.name, [], []
-                for blk in blocks:
-                    e = blk.path.get(name)
-                    t = None if e is None else e.tier(tiers)
-                    if t is None:
-                        n = len(ents)
-                        why = "not admitted" if e is None else ("tier excluded" if e.tier() else e.why)
-                        shortfalls.append(Shortfall(CAPACITY, why, f"block {n} (tokens {n * P}..) {why}",
-                                                    name, matched - n * P))
-                        break
-                    e.last_access = now
-                    ents.append(e)
-                    tl.append(t)
-                avail[name] = (ents, tl)
-                fplans[name].reusable = len(ents) * P
-                upper = min(upper, len(ents) * P)
-            for spec in self.snap_forms:
-                fplans[spec.name].reusable = self._last_snapshot(blocks, (spec,), min(T - 1, matched), 1, tiers)
-            if self.snap_forms:
-                b = self._last_snapshot(blocks, self.snap_forms, upper, self.align, tiers)
-                if b < upper:
-                    shortfalls.append(Shortfall("boundary", "no snapshot", f"no snapshot of "
-                                                f"{[s.name for s in self.snap_forms]} in ({b}, {upper}]",
-                                                tokens=upper - b))
-            else:
-                b = (upper // self.align) * self.align
-            if matched >= T and T > 0 and not prompt_logprobs:
-                shortfalls.append(Shortfall("boundary", "last token", "exact whole-prompt hit: the last token is "
-                                            "recomputed for its logits", tokens=T - upper))
-            pins = []
-            nb = -(-b // P)
-            for spec in self.path_forms:
-                ents, tl = avail[spec.name]
-                fp = fplans[spec.name]
-                fp.blocks, fp.tiers = blocks[:nb], tl[:nb]
-                pins += ents[:nb]
-            if b > 0:
-                for spec in self.snap_forms:
-                    blk = blocks[b // P - 1]
-                    e = blk.snap[spec.name]
-                    fplans[spec.name].blocks, fplans[spec.name].tiers = [blk], [e.tier(tiers)]
-                    pins.append(e)
-            for fp in fplans.values():
-                fp.used = dict(collections.Counter(fp.tiers))
-            for e in pins:
-                e.pins += 1
-            lease = Lease(self, pins, [e.generation for e in pins])
-            ms = (time.perf_counter() - t0) * 1e3
-            m = self.metrics
-            m.lookups += 1
-            m.prompt_tokens += T
-            m.lookup_ms.append(ms)
-            for s in shortfalls:
-                if s.kind != COMPATIBILITY or s.cause != "identity":
-                    m.misses[s.kind][s.cause] += s.tokens
-            return Plan(namespace=ns.hex, prompt_tokens=T, matched=matched, boundary=b, forms=fplans,
-                        shortfalls=shortfalls, lease=lease, lookup_ms=ms, ns=ns, tokens=tokens, tiers=tuple(tiers))
+            plan = build_plan(self, ns, tokens, prompt_logprobs=prompt_logprobs, tiers=tuple(tiers),
+                              excluded_why="tier excluded")
+            plan.lookup_ms = ms = (time.perf_counter() - t0) * 1e3
+            for m in self._metrics_for(ns):
+                m.lookups += 1
+                m.prompt_tokens += plan.prompt_tokens
+                m.lookup_ms.append(ms)
+                for s in plan.shortfalls:
+                    for f in s.fields:
+                        m.events[f"identity:{f}"] += 1
+            self._count(plan, +1)
+            return plan
 
-    def _last_snapshot(self, blocks, specs, upper: int, align: int, tiers) -> int:
-        """Largest boundary <= upper (multiple of P and `align`) where every spec has an available snapshot."""
-        P = self.P
-        for i in range(min(len(blocks), upper // P) - 1, -1, -1):
-            if ((i + 1) * P) % align:
-                continue
-            if all((e := blocks[i].snap.get(s.name)) is not None and e.tier(tiers) for s in specs):
-                return (i + 1) * P
-        return 0
+    def _metrics_for(self, ns: Namespace) -> tuple[Metrics, Metrics]:
+        return self.metrics, self.tenant_metrics[ns.tenant_salt]
 
-    def _identity_miss(self, ns: Namespace, tokens) -> list[str]:
-        """Fields by which `ns` differs from namespaces whose trees hold the prompt's first block."""
-        out = set()
-        for other, tree in self.trees.values():
-            if other.hex != ns.hex and tree.match(tokens[: self.P])[0]:
-                out.update(ns.diff(other))
-        return sorted(out)
+    def _count(self, plan: Plan, sign: int) -> None:
+        """Add (sign=+1) or take back (sign=-1) a plan's hit and miss tokens."""
+        for m in self._metrics_for(plan.ns):
+            m.hit_tokens += sign * plan.boundary
+            for s in plan.shortfalls:
+                if s.tokens:
+                    m.misses[s.kind][s.cause] += sign * s.tokens
 
     def release(self, lease: Lease) -> None:
+        """Unpin what `lease` pins (idempotent)."""
         with self.lock:
             if lease.released:
                 return
@@ -206,25 +146,78 @@ class PrefixCache:
             for e in lease.entries:
                 e.pins -= 1
 
+    def abandon(self, lease: Lease) -> None:
+        """Release the lease of a plan that was garbage collected (its finalizer calls this).
+
+        A finalizer runs wherever the collector happens to run, possibly inside code that holds other locks while
+        another thread holds this cache's: so it never waits for the lock. If the lock is free (or held by this
+        thread) the lease is released now, else at the start of the next operation that takes the lock.
+        """
+        if self.lock.acquire(blocking=False):
+            try:
+                self.release(lease)
+            finally:
+                self.lock.release()
+        else:
+            self._abandoned.append(lease)  # deque.append is atomic: no lock needed
+
+    def _reap(self) -> None:
+        while self._abandoned:
+            self.release(self._abandoned.popleft())
+
+    def pinned(self) -> int:
+        """Pins held right now, over every entry (0 when no plan is alive)."""
+        with self.lock:
+            self._reap()
+            return sum(e.pins for _, tree in self.trees.values() for blk in tree.iter_blocks()
+                       for e in (*blk.path.values(), *blk.snap.values()))
+
     # ------------------------------------------------------------------------------------------------ execute
     def execute(self, plan: Plan, cache) -> tuple[Any, Plan]:
         """Restore every form of `plan` into `cache` (a fresh `init_cache(...)`, batch 1; donated).
 
-        Re-checks the lease first. A store entry that fails verification is marked corrupt (a capacity miss), a
-        store read slower than the timeout is a "tier timeout"; either way the plan is re-made and the returned
-        plan is the one executed.
+        Re-checks the lease first (time of check = time of use) and verifies everything it reads: store entries
+        (header, identity, token ids, checksum), host copies (dtype, shape, memory kind) and the token ids every
+        entry was computed from. What fails is dropped from its tier ("corrupt", a capacity miss), a store read
+        slower than the timeout is a "tier timeout"; either way the plan is re-made and the returned plan is the one
+        executed. After `MAX_REPLANS` re-plans the request reads nothing (boundary 0): bad entries, however many,
+        mean recompute, never an exception. Every abandoned plan's lease is released here, and so is the current
+        one's if this raises; the returned plan's lease is the caller's to release.
 
         Returns:
             (cache with `plan.boundary` tokens restored, the executed plan).
+
+        Raises:
+            StaleLease: `plan`'s lease was released before it was executed.
         """
-        for _ in range(4):
-            try:
-                return self._execute_once(plan, cache), plan
-            except _Replan as r:
-                self.metrics.events["replan:" + r.cause] += 1
-                plan.lease.release()
-                plan = self.lookup(plan.ns, plan.tokens, tiers=r.tiers)
-        raise RuntimeError("prefix cache: plan kept failing verification")
+        replans = 0
+        try:
+            while True:
+                try:
+                    return self._execute_once(plan, cache), plan
+                except _Replan as r:
+                    replans += 1
+                    plan = self._replan(plan, r, give_up=replans > MAX_REPLANS)
+        except BaseException:
+            plan.lease.release()
+            raise
+
+    def _replan(self, plan: Plan, r: _Replan, *, give_up: bool) -> Plan:
+        with self.lock:
+            for m in self._metrics_for(plan.ns):
+                m.events["replan:" + r.cause] += 1
+            self._count(plan, -1)
+            plan.lease.release()
+            if give_up:
+                new = cold_plan(self, plan, MAX_REPLANS)
+            else:
+                self._drain()
+                new = build_plan(self, plan.ns, plan.tokens, prompt_logprobs=False,
+                                 tiers=plan.tiers if r.tiers is None else tuple(r.tiers),
+                                 excluded_why=plan.excluded_why if r.why is None else r.why)
+                new.lookup_ms = plan.lookup_ms
+            self._count(new, +1)
+            return new
 
     def _zero(self, key, shape, dtype):
         z = self._zeros.get(key)
@@ -232,21 +225,65 @@ class PrefixCache:
             z = self._zeros[key] = jnp.zeros(shape, dtype)
         return z
 
-    def _read_store(self, plan: Plan, spec, blk: Block, fut) -> np.ndarray:
-        """Wait for one store read started with `read_entry_async` and verify it (raises _Replan on failure)."""
-        try:
-            raw = fut.result(timeout=self.store.timeout_s)
-        except TimeoutError:
-            self.metrics.misses[CAPACITY]["tier timeout"] += self.P
-            raise _Replan("tier timeout", tiers=tuple(t for t in plan.tiers if t != STORE)) from None
-        try:
-            return self.store.decode_entry(raw, plan.namespace, spec, blk.key)
-        except CorruptEntry as err:
+    @staticmethod
+    def _entry(blk: Block, spec) -> Entry:
+        return (blk.path if spec.kind == PATH else blk.snap)[spec.name]
+
+    def _read_store(self, plan: Plan) -> dict:
+        """Read and verify every store entry `plan` reads (outside the lock: they are pinned).
+
+        All reads start first and proceed in parallel. Every entry that fails verification is dropped from the store
+        tier ("corrupt") before the one re-plan is requested, so one request re-plans once for any number of them.
+
+        Returns:
+            (form name, index in the form's plan) -> verified entry.
+        """
+        futs = {}
+        for spec in self.forms.specs:
+            fp = plan.forms[spec.name]
+            for j, (blk, tier) in enumerate(zip(fp.blocks, fp.tiers)):
+                if tier == STORE:
+                    futs[(spec.name, j)] = (blk, self.store.read_entry_async(plan.namespace, spec, blk.key))
+        out, bad = {}, []
+        for (name, j), (blk, fut) in futs.items():
+            try:
+                raw = fut.result(timeout=self.store.timeout_s)
+            except TimeoutError:
+                raise _Replan("tier timeout", tiers=tuple(t for t in plan.tiers if t != STORE),
+                              why="tier timeout") from None
+            try:
+                out[(name, j)] = self.store.decode_entry(raw, plan.namespace, self.specs[name], blk)
+            except CorruptEntry:
+                bad.append((self.specs[name], blk))
+        if bad:
             with self.lock:
-                e = (blk.path if spec.kind == PATH else blk.snap)[spec.name]
-                self._drop(e, STORE, why="corrupt")  # counts events["corrupt"]
-                self.metrics.misses[CAPACITY]["corrupt"] += self.P
-            raise _Replan(f"corrupt ({err})") from None
+                for spec, blk in bad:
+                    self._drop(self._entry(blk, spec), STORE, why="corrupt")
+            raise _Replan("corrupt")
+        return out
+
+    def _check_memory_tiers(self, plan: Plan) -> None:
+        """Verify what the plan reads from the device and host tiers (call under the lock).
+
+        Every entry's recorded token ids must be the prompt's at its block (one vectorised comparison per form), and
+        host copies get the byte-level checks (dtype, shape, memory kind). A failing copy is dropped from its tier
+        ("corrupt") and the plan re-made.
+        """
+        P, bad = self.P, []
+        for spec in self.forms.specs:
+            fp = plan.forms[spec.name]
+            read = [(self._entry(blk, spec), tier) for blk, tier in zip(fp.blocks, fp.tiers) if tier != STORE]
+            recorded = [(e, tier) for e, tier in read if e.tokens is not None]
+            if recorded:
+                got = np.stack([e.tokens for e, _ in recorded])  # [n, P]
+                starts = np.asarray([e.block.index * P for e, _ in recorded])
+                want = plan.tokens[starts[:, None] + np.arange(P)]
+                bad += [recorded[i] for i in np.nonzero((got != want).any(axis=1))[0]]
+            bad += [(e, tier) for e, tier in read if tier == HOST and check_bytes(e.host, spec, "pinned_host")]
+        for e, tier in dict.fromkeys(bad):
+            self._drop(e, tier, why="corrupt")
+        if bad:
+            raise _Replan("corrupt")
 
     def _execute_once(self, plan: Plan, cache):
         P, b = self.P, plan.boundary
@@ -255,19 +292,14 @@ class PrefixCache:
             raise StaleLease("plan's lease was released before the plan was executed")
         if not lease.valid():
             raise _Replan("lease moved")
-        staged_np: dict[str, Any] = {}
-        # store reads happen outside the lock (the entries are pinned); everything else under it
-        for spec in self.forms.specs:
-            fp = plan.forms[spec.name]
-            for j, (blk, tier) in enumerate(zip(fp.blocks, fp.tiers)):
-                if tier == STORE:  # start every read first: they proceed in parallel
-                    staged_np[(spec.name, j)] = (blk, self.store.read_entry_async(plan.namespace, spec, blk.key))
-        for (name, j), (blk, fut) in staged_np.items():
-            staged_np[(name, j)] = self._read_store(plan, self.specs[name], blk, fut)
+        if b == 0:
+            return cache  # nothing to restore: a fresh cache is exactly the state at boundary 0
+        staged_np = self._read_store(plan) if STORE in plan.tiers else {}
         staged = {}
         with self.lock:
             if not lease.valid():
                 raise _Replan("lease moved")  # an entry it reads was dropped (e.g. found corrupt) meanwhile
+            self._check_memory_tiers(plan)
             maxB = None
             for spec in self.forms.specs:
                 fp = plan.forms[spec.name]
@@ -281,9 +313,6 @@ class PrefixCache:
                         if tier == DEVICE:
                             slots[j] = e.slot
                         elif tier == HOST:
-                            bad = check_bytes(e.host, spec, "pinned_host")
-                            if bad:
-                                raise RuntimeError(f"host entry of {spec.name} failed byte checks: {bad}")
                             host_rows[j] = e.host
                         else:
                             host_rows[j] = staged_np[(spec.name, j)]
@@ -312,21 +341,16 @@ class PrefixCache:
                     elif tier == HOST:
                         staged[spec.name] = jax.device_put(e.host, device_sharding())
                     else:
-                        x = staged_np[(spec.name, 0)]
-                        bad = check_bytes(x, spec)
-                        if bad:
-                            raise RuntimeError(f"store entry of {spec.name} failed byte checks: {bad}")
-                        staged[spec.name] = jax.device_put(x, device_sharding())
+                        staged[spec.name] = jax.device_put(staged_np[(spec.name, 0)], device_sharding())
                     self._promote(spec, [e], [tier], staged[spec.name][None])
-            m = self.metrics
-            m.hit_tokens += b
-            for spec in self.forms.specs:
-                fp = plan.forms[spec.name]
-                for tier, k in collections.Counter(fp.tiers).items():
-                    m.reused_blocks[spec.name][tier] += k
-                    m.reused_tokens[spec.name][tier] += k * P if spec.kind == PATH else b
-                if spec.kind == PATH and fp.tiers and b % P:  # the last block is used in part
-                    m.reused_tokens[spec.name][fp.tiers[-1]] -= P - b % P
+            for m in self._metrics_for(plan.ns):
+                for spec in self.forms.specs:
+                    fp = plan.forms[spec.name]
+                    for tier, k in collections.Counter(fp.tiers).items():
+                        m.reused_blocks[spec.name][tier] += k
+                        m.reused_tokens[spec.name][tier] += k * P if spec.kind == PATH else b
+                    if spec.kind == PATH and fp.tiers and b % P:  # the last block is used in part
+                        m.reused_tokens[spec.name][fp.tiers[-1]] -= P - b % P
         return self.forms.restore(cache, staged, b)
 
     def _promote(self, spec, entries, tiers_read, rows) -> None:
@@ -342,6 +366,8 @@ class PrefixCache:
         pool.put(rows, idx, slots)
         for j, s in zip(idx, slots):
             entries[j].slot = s
+            if entries[j].tokens is None:  # read from the store, whose header tokens were just verified
+                entries[j].tokens = entries[j].block.tokens.copy()
             self.members[spec.name][DEVICE][entries[j]] = None
         self.metrics.events["promoted"] += len(idx)
 
@@ -351,6 +377,10 @@ class PrefixCache:
     # ------------------------------------------------------------------------------------------------ insert
     def insert(self, ns: Namespace, tokens, cache, snapshots: dict | None = None, *, priority: int = 0) -> dict:
         """Admit the full blocks of `tokens` whose state `cache` holds, and the snapshots taken at block boundaries.
+
+        Admission never evicts an entry of the chain being inserted (the prompt's own blocks, shared or new, every
+        form): extending a cached prompt keeps its parents, so what both prompts can hit stays reachable. Snapshots
+        are admitted deepest first (the next turn of a conversation resumes from the deepest one).
 
         Args:
             ns: namespace of the computation that produced `cache`.
@@ -375,6 +405,7 @@ class PrefixCache:
             self._drain()
             tree = self._tree(ns)
             blocks = tree.insert(tokens, keys, ROOT_KEY)
+            chain = frozenset(blocks)
             now = next(self._clock)
             if self.store is not None:
                 self._record_blocks(ns, blocks)
@@ -389,10 +420,8 @@ class PrefixCache:
                         need.append(e)
                 if need:
                     src = src or self.forms.blocks(cache)
-                    self._admit(ns, spec, need, src[spec.name], [e.block.index for e in need], stats)
-            if tree.num_blocks > self.max_meta_blocks:
-                self._prune(tree)
-            for boundary, snap in sorted((snapshots or {}).items()):
+                    self._admit(ns, spec, need, src[spec.name], [e.block.index for e in need], stats, chain, tokens)
+            for boundary, snap in sorted((snapshots or {}).items(), reverse=True):
                 if boundary <= 0 or boundary % P or boundary // P > n_full:
                     continue
                 blk = blocks[boundary // P - 1]
@@ -402,15 +431,17 @@ class PrefixCache:
                         e = blk.snap[spec.name] = Entry(spec.name, blk)
                     e.last_access, e.priority = now, max(e.priority, priority)
                     if e.tier() is None and not e.pending:
-                        self._admit(ns, spec, [e], snap[spec.name][None], [0], stats)
+                        self._admit(ns, spec, [e], snap[spec.name][None], [0], stats, chain, tokens)
+            if tree.num_blocks > self.max_meta_blocks:
+                self._prune(tree, chain)
         return dict(stats)
 
-    def _prune(self, tree: RadixTree) -> int:
-        """Drop metadata of dead blocks (no tier, nothing pending, unpinned) from the ends of leaves."""
+    def _prune(self, tree: RadixTree, keep=frozenset()) -> int:
+        """Drop metadata of dead blocks (no tier, nothing pending, unpinned, not in `keep`) from the ends of leaves."""
 
         def dead(blk):
-            return all(e.tier() is None and not e.pending and not e.pins
-                       for e in (*blk.path.values(), *blk.snap.values()))
+            return blk not in keep and all(e.tier() is None and not e.pending and not e.pins
+                                           for e in (*blk.path.values(), *blk.snap.values()))
 
         removed, changed = 0, True
         while changed and tree.num_blocks > self.max_meta_blocks:
@@ -449,35 +480,41 @@ class PrefixCache:
                 fut = self.store.write_block_record(ns.hex, blk.key, blk.parent_key, blk.index, blk.tokens)
                 self.pending.append(("record", None, fut))
 
-    def _admit(self, ns, spec, entries, src, src_idx, stats) -> None:
-        """Place `entries` (rows `src_idx` of `src` [M, *entry]) in the first tier that takes all of them."""
+    def _admit(self, ns, spec, entries, src, src_idx, stats, chain=frozenset(), tokens=None) -> None:
+        """Place `entries` (rows `src_idx` of `src` [M, *entry]) in the first tier that takes all of them.
+
+        `chain`: Blocks whose entries must not be evicted to make room (the request's own chain). `tokens`: the
+        prompt the rows were computed from (each entry records its block's ids, compared on restore).
+        """
         name = spec.name
         pool = self.pools[name]
         k = len(entries)
+        if tokens is not None:
+            P = self.P
+            for e in entries:
+                e.tokens = tokens[e.block.index * P:(e.block.index + 1) * P].copy()
         placed = False
         if pool.n >= k:
             short = k - len(pool.free)
-            if short > 0:
-                self._evict(name, DEVICE, short, protect=set(entries))
-            slots = pool.reserve(k)
-            if slots is not None:
+            if short <= 0 or self._evict(name, DEVICE, short, chain, all_or_nothing=True):
+                slots = pool.reserve(k)
                 pool.put(src, src_idx, slots)
                 for e, s in zip(entries, slots):
                     e.slot = s
                     self.members[name][DEVICE][e] = None
                 stats[f"{name}:{DEVICE}"] += k
                 placed = True
-        if not placed and self._room(name, HOST, k, protect=set(entries)):
+        if not placed and self._room(name, HOST, k, chain):
             for e, i in zip(entries, src_idx):
                 e.pending += 1
                 self.pending.append((HOST, e, to_host(take_one(src, jnp.int32(i)))))
             stats[f"{name}:{HOST}"] += k
             placed = True
-        if self.store is not None and self._room(name, STORE, k, protect=set(entries)):
+        if self.store is not None and self._room(name, STORE, k, chain):
             for e, i in zip(entries, src_idx):
                 data = np.asarray(take_one(src, jnp.int32(i)))
                 e.pending += 1
-                self.pending.append((STORE, e, self.store.write_entry(ns.hex, spec, e.block.key, data)))
+                self.pending.append((STORE, e, self.store.write_entry(ns.hex, spec, e.block, data)))
             stats[f"{name}:{STORE}"] += k
             placed = True
         if not placed:
@@ -486,28 +523,33 @@ class PrefixCache:
             stats[f"{name}:refused"] += k
             self.metrics.events["not_admitted"] += k
 
-    def _room(self, name: str, tier: str, k: int, protect=frozenset()) -> bool:
-        """Make room for `k` more entries of `name` in `tier` (host/store): all or nothing."""
+    def _used(self, name: str, tier: str) -> int:
+        return len(self.members[name][tier]) + sum(1 for t, e, _ in self.pending if t == tier and e.form == name)
+
+    def _room(self, name: str, tier: str, k: int, chain=frozenset()) -> bool:
+        """Make room for `k` more entries of `name` in `tier` (host/store): all or nothing, never from `chain`."""
         cap = self.caps[name][tier]
         if k > cap:
             return False
-        used = len(self.members[name][tier]) + sum(1 for t, e, _ in self.pending if t == tier and e.form == name)
-        if used + k > cap:
-            self._evict(name, tier, used + k - cap, protect)
-            used = len(self.members[name][tier]) + sum(1 for t, e, _ in self.pending if t == tier and e.form == name)
-        return used + k <= cap
+        over = self._used(name, tier) + k - cap
+        return over <= 0 or self._evict(name, tier, over, chain, all_or_nothing=True) > 0
 
     # ------------------------------------------------------------------------------------------------ eviction
-    def _evict(self, name: str, tier: str, k: int, protect=frozenset()) -> int:
+    def _evict(self, name: str, tier: str, k: int, chain=frozenset(), *, all_or_nothing: bool = False) -> int:
         """Evict up to `k` unpinned entries of form `name` from `tier`: lowest priority, least recent, deepest first.
 
-        A device entry is demoted to the host when the host admits it. Returns how many were evicted.
+        Entries of Blocks in `chain` (the chain a request is reading or extending) are never taken. Within a chain
+        ancestors are never older or of lower priority than descendants, so this order evicts leaves first and no
+        entry is left behind an evicted parent. A device entry is demoted to the host when the host admits it.
+        With `all_or_nothing`, nothing is evicted unless all `k` can be. Returns how many were evicted.
         """
-        cands = [e for e in self.members[name][tier] if e.pins == 0 and e not in protect]
+        cands = [e for e in self.members[name][tier] if e.pins == 0 and e.block not in chain]
+        if all_or_nothing and len(cands) < k:
+            return 0
         cands.sort(key=lambda e: (e.priority, e.last_access, -e.block.index))
         done = 0
         for e in cands[:k]:
-            if tier == DEVICE and e.host is None and not e.pending and self._room(name, HOST, 1, protect | {e}):
+            if tier == DEVICE and e.host is None and not e.pending and self._room(name, HOST, 1, chain):
                 row = take_one(self.pools[name].array, jnp.int32(e.slot))
                 row.block_until_ready()  # the slot is reused only after its bytes were read
                 e.pending += 1
@@ -552,7 +594,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------------------------ publishing
     def _drain(self, wait: bool = False) -> None:
-        """Publish copies whose bytes are complete (host: `is_ready()`, store: future done)."""
+        """Publish copies whose bytes are complete (host: `is_ready()`, store: future done); release abandoned leases."""
+        self._reap()
         keep = []
         for kind, e, obj in self.pending:
             if kind == HOST:
@@ -597,8 +640,18 @@ class PrefixCache:
 
         return prefill_with_prefix_cache(model, prompt, self, **kw)
 
-    def stats(self) -> dict:
+    def stats(self, tenant: str | None = None) -> dict:
+        """Counters (`entry.Metrics.as_dict`) plus entries per form and tier and the caps.
+
+        Args:
+            tenant: a tenant salt: only that tenant's requests (its hits, misses by cause, reuse and re-plans), and
+                nothing about the cache's contents or other tenants.
+        """
         with self.lock:
+            self._reap()
+            if tenant is not None:
+                m = self.tenant_metrics.get(tenant)
+                return (m or Metrics()).as_dict()
             d = self.metrics.as_dict()
             d["entries"] = {n: {t: len(self.members[n][t]) for t in TIERS} for n in self.specs}
             d["caps"] = self.caps

@@ -21,14 +21,19 @@ CAPACITY = "capacity"
 class Shortfall:
     """Why fewer tokens are reused than the prompt offers.
 
+    A plan's shortfalls partition the recomputed tokens `[boundary, prompt_tokens)`: each token is lost to exactly
+    one shortfall, the first cause that stops it (docs/cache_identity.md lists every kind and cause). A shortfall of
+    0 tokens only names a further reason (another form also missing there).
+
     Attributes:
-        kind: "compatibility" (nothing computes the same thing: identity field, token divergence, new tokens,
-            bypass), "capacity" (it did, but: evicted, not admitted, tier timeout, corrupt), or "boundary"
-            (recompute forced by alignment: missing snapshot, last token of an exact hit).
+        kind: "compatibility" (nothing computes the same thing: identity, token divergence, not cached, bypass),
+            "capacity" (it did, but is not usable now: evicted, not admitted, tier timeout, tier excluded, corrupt,
+            replan limit), or "boundary" (recompute forced by alignment: no snapshot, alignment, last token).
         cause: short machine-readable cause, e.g. "evicted", "token divergence", "identity".
         detail: human-readable detail ("token divergence at index 130", "fields ['semantic.weights']").
         form: the form concerned, or None for all forms.
         tokens: tokens lost to this cause.
+        fields: for an identity miss, the namespace fields that differ.
     """
 
     kind: str
@@ -36,6 +41,7 @@ class Shortfall:
     detail: str
     form: str | None = None
     tokens: int = 0
+    fields: tuple = ()
 
 
 @dataclasses.dataclass
@@ -64,7 +70,11 @@ class FormPlan:
 
 
 class Lease:
-    """Pins the entries a plan reads. Valid until released or until an entry's generation moves."""
+    """Pins the entries a plan reads. Valid until released or until an entry's generation moves.
+
+    Released by `PrefixCache.execute` for every plan it abandons (and for the current one if it raises), by the
+    caller after use, and at the latest when its Plan is garbage collected: no pin outlives its plan.
+    """
 
     def __init__(self, manager, entries: list, generations: list):
         self.id = next(_lease_ids)
@@ -113,6 +123,7 @@ class Plan:
     ns: object = dataclasses.field(default=None, repr=False)  # the Namespace looked up (for re-planning)
     tokens: object = dataclasses.field(default=None, repr=False)  # i32[T] the prompt
     tiers: tuple = ("device", "host", "store")
+    excluded_why: str = "tier excluded"  # the cause reported for entries held only in tiers the plan may not read
 
     @property
     def recompute(self) -> tuple[int, int]:
@@ -121,7 +132,18 @@ class Plan:
     def reasons(self) -> list[str]:
         return [f"{s.kind}:{s.cause}" + (f"[{s.form}]" if s.form else "") + f": {s.detail}" for s in self.shortfalls]
 
+    def __repr__(self) -> str:
+        """One line a person can read: what is restored from where, what is recomputed and why (never the arrays)."""
+        used = ", ".join(f"{k}: {f.reusable} reusable" + (f" from {'+'.join(sorted(f.used))}" if f.used else "")
+                         for k, f in self.forms.items())
+        why = "; ".join(self.reasons()) or "-"
+        return (f"Plan(restore {self.boundary} of {self.prompt_tokens} prompt tokens, recompute "
+                f"{self.prompt_tokens - self.boundary}; {used or 'no forms'}; shortfalls: {why})")
+
+    __str__ = __repr__
+
     def summary(self) -> dict:
+        """The plan as a JSON-ready dict."""
         return dict(prompt_tokens=self.prompt_tokens, matched=self.matched, boundary=self.boundary,
                     forms={k: dict(kind=f.kind, reusable=f.reusable, used=dict(f.used)) for k, f in self.forms.items()},
                     reasons=self.reasons(), lookup_ms=self.lookup_ms)

@@ -13,32 +13,43 @@ check greedy tokens are identical to `kvjax.generate` and logits agree to float 
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.capacity import pick_capacity
+from kvjax.prefix import model_identity
 from kvjax.prefix.identity import Namespace, make_namespace, weights_fingerprint
 from kvjax.decode import steps
 
-_WEIGHTS_FP: dict[int, tuple[object, str]] = {}
-
 
 def kv_dtype(model):
-    return jnp.bfloat16 if model.dtype in ("bf16", "bfloat16") else jnp.float32
+    """The dtype `model` keeps caches in."""
+    return model.cache_dtype
 
 
-def model_namespace(model, prefix_cache, *, tenant_salt: str = "", adapter: str = "", adapter_scale: float = 1.0,
-                    tokenizer_rev: str = "", template_rev: str = "") -> Namespace:
-    """The namespace of `model` as cached by `prefix_cache` (weights fingerprint memoised per params object)."""
-    key = id(model.params)
-    hit = _WEIGHTS_FP.get(key)
-    if hit is None or hit[0] is not model.params:
-        hit = _WEIGHTS_FP[key] = (model.params, weights_fingerprint(model.params))
+def model_namespace(model, prefix_cache, *, tenant_salt: str = "", adapters: Sequence[tuple[Any, float]] = (),
+                    ) -> Namespace:
+    """The namespace of `model` as cached by `prefix_cache`, every field derived from the model itself.
+
+    Args:
+        model: a `kvjax.api.Model`; its weights are fingerprinted by content (`identity.weights_fingerprint`: an
+            in-place leaf update is a new namespace), its tokenizer files and chat template by content hashes.
+        prefix_cache: the PrefixCache (its form fingerprints and block size are the layout).
+        tenant_salt: per-tenant isolation set by the server.
+        adapters: (adapter weights pytree, scale) per adapter applied to the model, in order.
+    """
     forms = prefix_cache.forms
-    return make_namespace(model.config, weights=hit[1], kv_dtype=np.dtype(kv_dtype(model)).name,
+    tokenizer_rev, template_rev = model_identity.tokenizer_revisions(getattr(model, "tokenizer", None))
+    return make_namespace(model.config, weights=weights_fingerprint(model.params),
+                          kv_dtype=np.dtype(kv_dtype(model)).name,
                           formats={s.name: s.fingerprint for s in forms.specs}, block_size=forms.block_size,
-                          tokenizer_rev=tokenizer_rev, template_rev=template_rev, adapter=adapter,
-                          adapter_scale=adapter_scale, tenant_salt=tenant_salt)
+                          tokenizer_rev=tokenizer_rev, template_rev=template_rev,
+                          adapters=model_identity.adapter_fields(adapters),
+                          # the attention implementation the model's steps run (kvjax.load(..., attention=))
+                          runtime=model_identity.runtime_fields(model.params, model.attention),
+                          tenant_salt=tenant_salt)
 
 
 def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespace | None = None,
@@ -69,11 +80,19 @@ def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespa
     forms = prefix_cache.forms
     cache = forms.new_cache(capacity)
     plan = prefix_cache.lookup(ns, prompt, prompt_logprobs=prompt_logprobs)
+    # `execute` releases the lease of any plan it abandons, and of the current one if it raises. The executed plan's
+    # lease is held until after the insert: the chain this request read is pinned while it is extended, so admitting
+    # the new blocks can never evict their own parents.
+    cache, plan = prefix_cache.execute(plan, cache)
     try:
-        cache, plan = prefix_cache.execute(plan, cache)
+        return _prefill_rest(model, prompt, prefix_cache, ns, cache, plan, chunk, prompt_logprobs, insert, priority)
     finally:
-        if plan.lease is not None:
-            plan.lease.release()
+        plan.lease.release()
+
+
+def _prefill_rest(model, prompt, prefix_cache, ns, cache, plan, chunk, prompt_logprobs, insert, priority):
+    T, P = prompt.size, prefix_cache.P
+    forms = prefix_cache.forms
     b = plan.boundary
     last_full = (T // P) * P
     ends = sorted({e for e in range(b + chunk, T, chunk)} | ({last_full} if last_full > b else set()) | {T})
@@ -97,9 +116,11 @@ def prefill_with_prefix_cache(model, prompt, prefix_cache, *, namespace: Namespa
 
 
 def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_cache, *,
-                               namespace: Namespace | None = None, stop_at_eos: bool = True,
-                               return_plan: bool = False):
+                               namespace: Namespace | None = None, ignore_eos: bool = False,
+                               return_plan: bool = False, chunk: int = steps.DEFAULT_CHUNK):
     """Greedy decoding like `kvjax.generate`, with the prompt prefilled through `prefix_cache`.
+
+    `chunk` is the prefill chunk (snapshot forms are captured at chunk ends, see `prefill_with_prefix_cache`).
 
     Returns:
         i32[<= max_new_tokens] new token ids (and the Plan when `return_plan`).
@@ -108,7 +129,7 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     last, cache, plan = prefill_with_prefix_cache(model, ids, prefix_cache, namespace=namespace,
-                                                  capacity=pick_capacity(ids.size + max_new_tokens))
+                                                  capacity=pick_capacity(ids.size + max_new_tokens), chunk=chunk)
     first = jnp.argmax(last).astype(jnp.int32)[None]
     toks = [int(first[0])]
     if max_new_tokens > 1:
@@ -116,6 +137,6 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
                                    num_steps=max_new_tokens - 1, family=model.family, impl=model.attention)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)
-    if stop_at_eos:
+    if not ignore_eos:
         out = steps.truncate_at_eos(out, model.config.eos_token_ids)
     return (out, plan) if return_plan else out

@@ -4,11 +4,14 @@
   slots. Writes and gathers are jitted with slot arrays of a static length, so they compile once per capacity bucket.
 - Host: one `jax.Array` per entry with memory kind "pinned_host", made by an asynchronous `jax.device_put`; the
   manager publishes it only once `is_ready()` (never compute on it: it is copied back to the device to be used).
-- `StoreTier`: a TensorStore key-value store (`file://` by default). Every value is `u64 header length | JSON header |
-  payload`; the header carries the namespace, form fingerprint, block key, shape, dtype, byte count and a BLAKE2b
-  checksum of the payload, and `read` verifies all of them, so a corrupted or truncated entry is detected and turned
-  into a recompute. The file driver writes a temporary file and renames it, so a crash leaves no half entry; the
-  checksum catches anything else.
+- `StoreTier`: a TensorStore key-value store (`file://` by default). A store is a store only if it holds kvjax's
+  marker (`MARKER_KEY`, written when the store is created in an empty location); a location that is not empty and
+  has no marker is refused, so the cache never writes into (and `kvjax cache` never deletes from) a directory it does
+  not own. Every entry is one `codec` value; its header carries the namespace, form fingerprint, block key, parent
+  key, block index, **the block's token ids**, shape, dtype, byte count and a BLAKE2b checksum of the payload, and
+  `decode_entry` verifies all of them against the block being restored, so a corrupted, truncated or foreign entry
+  (even one written under a colliding key) is detected and turned into a recompute. The file driver writes a
+  temporary file and renames it, so a crash leaves no half entry; the checksum catches anything else.
 """
 
 from __future__ import annotations
@@ -16,20 +19,27 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import CorruptEntry
-from kvjax.prefix.identity import payload_checksum
+from kvjax.errors import CorruptEntry, InputError
+from kvjax.prefix import codec
 from kvjax.prefix.layouts.llama import FormSpec
 
 DEVICE, HOST, STORE = "device", "host", "store"
 TIERS = (DEVICE, HOST, STORE)
 MAGIC = "kvjax-prefix-entry"
-STORE_FORMAT_VERSION = 1
-
+STORE_FORMAT_VERSION = 2  # 2: entries carry their block's parent key, index and token ids; the store has a marker
+MARKER_KEY = "kvjax-prefix-store.json"
+MARKER_MAGIC = "kvjax-prefix-store"
+ENTRY_FIELDS = dict(magic=str, format_version=int, namespace=str, form=str, fingerprint=str, block_key=str,
+                    parent_key=str, index=int, tokens=list, shape=list, dtype=str, complete=bool)
+_HEX64 = "[0-9a-f]{64}"
+_KEY_RE = re.compile(rf"(?P<ns>{_HEX64})/(?:(?P<nsrec>namespace\.json)|blocks/(?P<block>{_HEX64})|"
+                     rf"(?P<form>[a-z][a-z0-9_]*)/(?P<entry>{_HEX64}))")
 
 
 def admission_caps(specs: tuple[FormSpec, ...], budgets: dict[str, int], shares: dict[str, float] | None = None,
@@ -132,10 +142,36 @@ def check_bytes(x, spec: FormSpec, memory_kind: str | None = None) -> str | None
     return None
 
 
-class StoreTier:
-    """A TensorStore kvstore holding entries and block records under `<namespace hex>/`."""
+def parse_key(key: str) -> tuple[str, str, str | None, str | None] | None:
+    """What a key of a store is: ("marker", "", None, None), ("namespace", ns, None, None), ("block", ns, None, key),
+    ("entry", ns, form, key) — or None for anything that is not the store's own (never read as data, never deleted).
+    """
+    if key == MARKER_KEY:
+        return "marker", "", None, None
+    m = _KEY_RE.fullmatch(key)
+    if m is None:
+        return None
+    if m["nsrec"]:
+        return "namespace", m["ns"], None, None
+    if m["block"]:
+        return "block", m["ns"], None, m["block"]
+    return "entry", m["ns"], m["form"], m["entry"]
 
-    def __init__(self, url: str, timeout_s: float = 10.0):
+
+class StoreTier:
+    """A TensorStore kvstore holding entries and block records under `<namespace hex>/`.
+
+    Args:
+        url: kvstore URL or directory (-> `file://`).
+        timeout_s: a read slower than this is a tier timeout.
+        create: claim an empty location as a new store (write the marker); False = it must already be one.
+
+    Raises:
+        InputError: the location is not a kvjax prefix-cache store (no marker, and not empty or `create=False`), or
+            a store of another format version.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 10.0, *, create: bool = True):
         import tensorstore as ts
 
         if "://" not in url:
@@ -147,6 +183,28 @@ class StoreTier:
         self.url = url
         self.timeout_s = timeout_s
         self.kv = ts.KvStore.open(spec).result()
+        self._claim(create)
+
+    def _claim(self, create: bool) -> None:
+        raw = self.kv.read(MARKER_KEY).result()
+        if raw.state == "value":
+            try:
+                doc = json.loads(bytes(raw.value))
+            except ValueError:
+                doc = None
+            if not isinstance(doc, dict) or doc.get("magic") != MARKER_MAGIC:
+                raise InputError(f"{self.url} is not a kvjax prefix-cache store: {MARKER_KEY} is not kvjax's marker")
+            if doc.get("format_version") != STORE_FORMAT_VERSION:
+                raise InputError(f"{self.url} is a kvjax prefix-cache store of format {doc.get('format_version')!r}, "
+                                 f"this kvjax reads format {STORE_FORMAT_VERSION}")
+            return
+        if not create:
+            raise InputError(f"{self.url} is not a kvjax prefix-cache store (no {MARKER_KEY} marker)")
+        if self.kv.list().result():
+            raise InputError(f"{self.url} is not a kvjax prefix-cache store (no {MARKER_KEY} marker) and is not "
+                             "empty: refusing to write into it")
+        doc = dict(magic=MARKER_MAGIC, format_version=STORE_FORMAT_VERSION)
+        self.kv.write(MARKER_KEY, json.dumps(doc).encode()).result()
 
     # -- keys ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -158,46 +216,36 @@ class StoreTier:
         return f"{ns_hex}/blocks/{block_key.hex()}"
 
     # -- entries -------------------------------------------------------------------------------------------------
-    def write_entry(self, ns_hex: str, spec: FormSpec, block_key: bytes, data: np.ndarray):
-        """Start writing one entry; returns a future (the entry is published by the caller once it completes)."""
+    def write_entry(self, ns_hex: str, spec: FormSpec, blk, data: np.ndarray):
+        """Start writing the entry of form `spec` for Block `blk`; returns a future (published once it completes)."""
         payload = np.ascontiguousarray(data).tobytes()
         header = dict(magic=MAGIC, format_version=STORE_FORMAT_VERSION, namespace=ns_hex, form=spec.name,
-                      fingerprint=spec.fingerprint, block_key=block_key.hex(), shape=list(spec.entry_shape),
-                      dtype=spec.dtype, nbytes=len(payload), checksum=payload_checksum(payload), complete=True)
-        h = json.dumps(header, sort_keys=True).encode()
-        return self.kv.write(self.entry_key(ns_hex, spec.name, block_key), len(h).to_bytes(8, "little") + h + payload)
+                      fingerprint=spec.fingerprint, block_key=blk.key.hex(), parent_key=blk.parent_key.hex(),
+                      index=int(blk.index), tokens=np.asarray(blk.tokens).tolist(), shape=list(spec.entry_shape),
+                      dtype=spec.dtype, complete=True)
+        return self.kv.write(self.entry_key(ns_hex, spec.name, blk.key), codec.encode(header, payload))
 
     def read_entry_async(self, ns_hex: str, spec: FormSpec, block_key: bytes):
         return self.kv.read(self.entry_key(ns_hex, spec.name, block_key))
 
-    def decode_entry(self, raw, ns_hex: str, spec: FormSpec, block_key: bytes) -> np.ndarray:
-        """Verify a read result (integrity, identity, format fingerprint, bytes) and return the entry.
+    def decode_entry(self, raw, ns_hex: str, spec: FormSpec, blk) -> np.ndarray:
+        """Verify a read result against the Block it restores (integrity, identity, format, tokens, bytes).
 
         Raises:
             CorruptEntry: naming the failed check.
         """
+        what = f"entry {spec.name}/{blk.key.hex()[:12]}"
         if raw.state != "value":
-            raise CorruptEntry(f"entry {spec.name}/{block_key.hex()[:12]} missing from the store")
-        buf = bytes(raw.value)
-        if len(buf) < 8:
-            raise CorruptEntry("truncated: no header length")
-        hl = int.from_bytes(buf[:8], "little")
-        try:
-            header = json.loads(buf[8:8 + hl])
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptEntry(f"unreadable header: {e}") from None
-        payload = buf[8 + hl:]
-        checks = [("magic", MAGIC), ("format_version", STORE_FORMAT_VERSION), ("namespace", ns_hex),
-                  ("form", spec.name), ("fingerprint", spec.fingerprint), ("block_key", block_key.hex()),
-                  ("shape", list(spec.entry_shape)), ("dtype", spec.dtype), ("complete", True)]
-        for k, want in checks:
-            if header.get(k) != want:
-                raise CorruptEntry(f"header {k}={header.get(k)!r}, expected {want!r}")
-        if header.get("nbytes") != len(payload) or len(payload) != spec.nbytes:
-            raise CorruptEntry(f"truncated payload: {len(payload)} bytes, header says {header.get('nbytes')}, "
-                               f"form needs {spec.nbytes}")
-        if payload_checksum(payload) != header.get("checksum"):
-            raise CorruptEntry("checksum mismatch")
+            raise CorruptEntry(f"{what}: missing from the store")
+        header, payload = codec.decode(raw.value, what=what, fields=ENTRY_FIELDS)
+        codec.expect(header, dict(magic=MAGIC, format_version=STORE_FORMAT_VERSION, namespace=ns_hex, form=spec.name,
+                                  fingerprint=spec.fingerprint, block_key=blk.key.hex(), complete=True,
+                                  shape=list(spec.entry_shape), dtype=spec.dtype), what)
+        # a key is an address, not a proof: the entry must have been computed from this very block of tokens
+        codec.expect(header, dict(index=int(blk.index), parent_key=blk.parent_key.hex(),
+                                  tokens=np.asarray(blk.tokens).tolist()), what)
+        if len(payload) != spec.nbytes:
+            raise CorruptEntry(f"{what}: payload is {len(payload)} bytes, the form needs {spec.nbytes}")
         return np.frombuffer(payload, dtype=spec.dtype).reshape(spec.entry_shape)
 
     def delete_entry(self, ns_hex: str, form: str, block_key: bytes):
@@ -220,7 +268,7 @@ class StoreTier:
             return None
         try:
             return json.loads(bytes(r.value))
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             return None
 
 

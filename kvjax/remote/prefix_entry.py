@@ -1,11 +1,13 @@
 """What a stored prefix is: its identity, and the bundles that hold its full cache, last logits and draft caches.
 
-Identity. The namespace is the prefix cache's (`kvjax.prefix.identity.make_namespace`: weights content fingerprint,
-every config field that changes keys/values, kv dtype, tenant salt, ...) with this package's full-cache format as
-its representation; the prefix key is BLAKE2b(namespace, prompt token ids), and the stored token ids are re-compared
-on every hit (a digest is an address, not a proof). A draft cache is a second, lossy representation of the same
-prefix: its key adds the compressor's name and EVERY field of its settings (ratio, sinks, window, bits, ...), the
-recent-ring size and the draft format version, so a StreamingLLM 4x draft is never served for a SnapKV or 8x one.
+Identity. The namespace is the prefix cache's (`kvjax.prefix.identity.make_namespace`: weights content fingerprint
+that follows in-place leaf updates, tokenizer/template content hashes, adapters as (content fingerprint, scale),
+every config field that changes keys/values, kv dtype, the runtime — kernel ABI, attention implementation, mesh,
+device kind, jax/jaxlib — and the tenant salt) with this package's full-cache format as its representation; the
+prefix key is BLAKE2b(namespace, prompt token ids), and the stored token ids are re-compared on every hit (a digest
+is an address, not a proof). A draft cache is a second, lossy representation of the same prefix: its key adds the
+compressor's name and EVERY field of its settings (ratio, sinks, window, bits, ...), the recent-ring size and the
+draft format version, so a StreamingLLM 4x draft is never served for a SnapKV or 8x one.
 
 Layout under `<namespace>/<prefix>/` (any model family: `kvjax.remote.cache_codec` names leaves by tree path):
   - `full/`: bundles `head` (logits f32[V] at the last prompt position, tokens i32[P]) and `layer-000`, ... one per
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.prefix import model_identity
 from kvjax.prefix.identity import Namespace, canonical, digest, make_namespace, weights_fingerprint
 from kvjax.errors import CorruptEntry
 from kvjax.remote import cache_codec as codec
@@ -37,22 +41,21 @@ FULL = "full"
 PREFIX_DOMAIN = b"kvjax.rprefix1"
 DRAFT_DOMAIN = b"kvjax.rdraft1"
 
-_WEIGHTS_FP: dict[int, tuple[object, str]] = {}
-
 
 def kv_dtype(model):
     return jnp.bfloat16 if getattr(model, "dtype", "f32") in ("bf16", "bfloat16") else jnp.float32
 
 
-def prefix_namespace(model, *, tenant_salt: str = "", adapter: str = "", tokenizer_rev: str = "",
-                     template_rev: str = "") -> Namespace:
-    """Namespace of `model`'s remote prefix entries (weights fingerprint memoised per params object)."""
-    hit = _WEIGHTS_FP.get(id(model.params))
-    if hit is None or hit[0] is not model.params:
-        hit = _WEIGHTS_FP[id(model.params)] = (model.params, weights_fingerprint(model.params))
-    return make_namespace(model.config, weights=hit[1], kv_dtype=np.dtype(kv_dtype(model)).name,
-                          formats={FULL: FULL_FORMAT}, block_size=0, tokenizer_rev=tokenizer_rev,
-                          template_rev=template_rev, adapter=adapter, tenant_salt=tenant_salt)
+def prefix_namespace(model, *, tenant_salt: str = "", adapters: Sequence[tuple[Any, float]] = ()) -> Namespace:
+    """Namespace of `model`'s remote prefix entries, every field derived from the model (as
+    `kvjax.prefix.prefill.model_namespace`): weights and adapters by content, tokenizer files by content hashes."""
+    tokenizer_rev, template_rev = model_identity.tokenizer_revisions(getattr(model, "tokenizer", None))
+    return make_namespace(model.config, weights=weights_fingerprint(model.params),
+                          kv_dtype=np.dtype(kv_dtype(model)).name, formats={FULL: FULL_FORMAT}, block_size=0,
+                          tokenizer_rev=tokenizer_rev, template_rev=template_rev,
+                          adapters=model_identity.adapter_fields(adapters),
+                          runtime=model_identity.runtime_fields(model.params, model.attention),
+                          tenant_salt=tenant_salt)
 
 
 def prefix_key(ns: Namespace, tokens) -> str:

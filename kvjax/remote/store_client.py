@@ -6,9 +6,10 @@ one block of one form; here an entry is a whole prefix (per-layer full-cache bun
 bundle per draft cache), because a remote fetch streams a prefix as a unit, in layer order.
 
 - A *bundle* is a dict of named arrays stored as one payload, split into chunks of at most `chunk_bytes` (4 MiB by
-  default: the unit the link paces and the background fetch hands over). Each chunk is its own value:
-  `u64 header length | JSON header | bytes`; the header carries magic, format version, namespace, prefix key,
-  bundle name, chunk index/count, byte count and a BLAKE2b checksum, and every read re-checks them all.
+  default: the unit the link paces and the background fetch hands over). Each chunk is its own value in the one
+  stored-value codec (`kvjax.prefix.codec`: `u64 header length | JSON header | bytes`); the header carries magic,
+  format version, namespace, prefix key, bundle name, chunk index/count, byte count and a BLAKE2b checksum, and every
+  read re-checks them all.
 - A *manifest* (same value format, JSON payload) lists the bundles with their array tables and chunk checksums. It
   is written only after every chunk write has completed (two-phase put: nothing is readable before it is complete);
   a reader only ever reads through a manifest. The file driver writes a temporary file and renames it, so a crash
@@ -24,33 +25,15 @@ import os
 
 import numpy as np
 
-from kvjax.prefix.identity import payload_checksum
 from kvjax.errors import CorruptEntry
+from kvjax.prefix import codec
+from kvjax.prefix.identity import payload_checksum
 from kvjax.remote.link import Link
 
 MAGIC = "kvjax-remote-prefix"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20
-
-
-def _pack(header: dict, payload: bytes) -> bytes:
-    h = json.dumps(header, sort_keys=True).encode()
-    return len(h).to_bytes(8, "little") + h + payload
-
-
-def _unpack(buf, what: str):
-    """(header dict, payload view) of one stored value (bytes or memoryview; the payload is not copied)."""
-    buf = memoryview(buf)
-    if len(buf) < 8:
-        raise CorruptEntry(f"{what}: truncated, no header length")
-    hl = int.from_bytes(buf[:8], "little")
-    try:
-        header = json.loads(bytes(buf[8:8 + hl]))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptEntry(f"{what}: unreadable header ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptEntry(f"{what}: header is not an object")
-    return header, buf[8 + hl:]
+_IDENT_FIELDS = dict(magic=str, format_version=int, namespace=str, prefix=str, bundle=str)
 
 
 def _arrays(buf: bytearray, table: list[dict]) -> dict[str, np.ndarray]:
@@ -106,9 +89,8 @@ class RemoteStore:
         for i in range(n):
             piece = payload[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
             sums.append(payload_checksum(piece))
-            header = dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n, nbytes=len(piece),
-                          checksum=sums[-1])
-            futs.append(self.kv.write(self._key(ns_hex, prefix_hex, name, f"{i:06d}"), _pack(header, piece)))
+            header = dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n)
+            futs.append(self.kv.write(self._key(ns_hex, prefix_hex, name, f"{i:06d}"), codec.encode(header, piece)))
         for f in futs:
             f.result()
         return dict(name=name, table=table, nbytes=len(payload), chunks=n, chunk_bytes=self.chunk_bytes,
@@ -117,9 +99,8 @@ class RemoteStore:
     def put_manifest(self, ns_hex: str, prefix_hex: str, name: str, body: dict) -> None:
         """Publish a manifest (call only after its bundles' `put_bundle` returned)."""
         payload = json.dumps(body, sort_keys=True).encode()
-        header = dict(self._ident(ns_hex, prefix_hex, name), kind="manifest", nbytes=len(payload),
-                      checksum=payload_checksum(payload))
-        self.kv.write(self._key(ns_hex, prefix_hex, name, "manifest"), _pack(header, payload)).result()
+        header = dict(self._ident(ns_hex, prefix_hex, name), kind="manifest")
+        self.kv.write(self._key(ns_hex, prefix_hex, name, "manifest"), codec.encode(header, payload)).result()
 
     # ------------------------------------------------------------------------------------------------ read
     def get_manifest(self, ns_hex: str, prefix_hex: str, name: str) -> dict | None:
@@ -129,12 +110,16 @@ class RemoteStore:
             return None
         buf = bytes(raw.value)
         self.link.transfer(len(buf))
-        header, payload = _unpack(buf, f"manifest {name}")
-        self._check(header, dict(self._ident(ns_hex, prefix_hex, name), kind="manifest"), payload, f"manifest {name}")
+        what = f"manifest {name}"
+        header, payload = codec.decode(buf, what=what, fields=dict(_IDENT_FIELDS, kind=str))
+        codec.expect(header, dict(self._ident(ns_hex, prefix_hex, name), kind="manifest"), what)
         try:
-            return json.loads(bytes(payload))
-        except ValueError as e:
-            raise CorruptEntry(f"manifest {name}: unreadable body ({e})") from None
+            body = json.loads(bytes(payload))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptEntry(f"{what}: unreadable body ({e})") from None
+        if not isinstance(body, dict):
+            raise CorruptEntry(f"{what}: body is JSON but not an object ({type(body).__name__})")
+        return body
 
     def get_bundle(self, ns_hex: str, prefix_hex: str, record: dict, lookahead: int = 3) -> dict[str, np.ndarray]:
         """Read, pace and verify every chunk of one bundle; returns its arrays (read-only views)."""
@@ -179,8 +164,8 @@ class RemoteStore:
             if len(value) > size:  # the header crosses the link too
                 done = self.link.reserve(len(value) - size)
             self.link.wait_until(done)
-            header, piece = _unpack(value, what)
-            self._check(header, dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n), piece, what)
+            header, piece = codec.decode(value, what=what, fields=dict(_IDENT_FIELDS, chunk=int, chunks=int))
+            codec.expect(header, dict(self._ident(ns_hex, prefix_hex, name), chunk=i, chunks=n), what)
             if header["checksum"] != rec["checksums"][i]:
                 raise CorruptEntry(f"{what}: checksum differs from the manifest's")
             if pos + len(piece) > len(buf):
@@ -191,16 +176,6 @@ class RemoteStore:
                 if pos != rec["nbytes"]:
                     raise CorruptEntry(f"bundle {name}: {pos} bytes, manifest says {rec['nbytes']}")
                 yield rec, _arrays(buf, rec["table"])
-
-    @staticmethod
-    def _check(header: dict, want: dict, payload: bytes, what: str) -> None:
-        for k, v in want.items():
-            if header.get(k) != v:
-                raise CorruptEntry(f"{what}: header {k}={header.get(k)!r}, expected {v!r}")
-        if header.get("nbytes") != len(payload):
-            raise CorruptEntry(f"{what}: truncated payload, {len(payload)} bytes, header says {header.get('nbytes')}")
-        if payload_checksum(payload) != header.get("checksum"):
-            raise CorruptEntry(f"{what}: checksum mismatch")
 
     def delete_prefix(self, ns_hex: str, prefix_hex: str) -> None:
         import tensorstore as ts

@@ -48,9 +48,9 @@ class FullCacheScheduler:
         """(slots, capacity, bytes per slot, admission scratch bytes) the budget allows for these requests."""
         cfg = self.model.config
         caps = {vc.capacity_for(len(r.prompt), r.max_new_tokens, self.x) for r in requests}
-        if len(caps) != 1:
-            raise ValueError(f"full-cache batching needs one capacity bucket, got {sorted(caps)}")
-        cap = caps.pop()
+        if len(caps) != 1 and any(r.prefilled is not None for r in requests):
+            raise ValueError(f"prefilled requests must share one capacity bucket, got {sorted(caps)}")
+        cap = max(caps)  # ragged prompts share the largest bucket (a shorter row leaves its tail slots empty)
         fam, dtype = self.model.family, self.model.cache_dtype
         one = jax.eval_shape(lambda: fam.init_cache(cfg, 1, cap, dtype))
         per = tree_nbytes(one.layers)

@@ -21,6 +21,36 @@ import jax
 
 from kvjax.errors import BudgetError
 
+# Share of free device memory a default budget takes (the rest stays for weights, activations and the allocator).
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+def default_budget(device=None) -> int:
+    """A device-memory budget for per-request state when the caller names none: half of what is free.
+
+    On a GPU/TPU: the allocator's limit minus its bytes in use (`memory_stats`). On the CPU, where device memory is
+    host memory: half of the host's available memory (`/proc/meminfo` MemAvailable, else total physical pages).
+    """
+    dev = device or jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    else:
+        free = _host_available()
+    return max(1 << 20, int(free * DEFAULT_BUDGET_SHARE))
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class DeviceMemory:

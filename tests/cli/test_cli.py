@@ -47,7 +47,7 @@ def test_generate_full_json_matches_api(model_dir, capsys):
     res = json.loads(capsys.readouterr().out)  # stdout is exactly the JSON: no streamed text
     model = kvjax.load(model_dir)
     ids = model.tokenizer.encode(prompt)
-    want = kvjax.generate(model, ids, max_new_tokens=40, stop_at_eos=False)
+    want = kvjax.generate(model, ids, max_new_tokens=40)
     assert res["prompt_tokens"] == len(ids) and res["new_tokens"] == 40
     assert res["tokens"] == want.tolist()  # chunked streaming decode = one-call greedy decode
     assert res["text"] == model.tokenizer.decode(want)
@@ -88,7 +88,7 @@ def test_generate_vericache_offload_hybrid_checkpoint(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "no model at /nonexistent/model"),
-    (["generate", "--new-tokens", "4"], "give one of --prompt"),
+    (["generate", "--new-tokens", "4"], "give exactly one of --prompt"),
     (["generate", "--prompt", "a", "--tp", "3"], "needs 3 devices"),
     (["generate", "--prompt", "a", "--new-tokens", "0"], "--new-tokens must be >= 1"),
     (["generate", "--prompt", "a", "--host-devices", "64"], "JAX already started with"),
@@ -121,6 +121,7 @@ def _make_store(path):
     """A store written through the prefix cache's own tier code: one namespace, 3 blocks of 2 forms."""
     from kvjax.prefix.identity import block_keys, make_namespace
     from kvjax.prefix.layouts.llama import PATH, FormSpec
+    from kvjax.prefix.radix import Block
     from kvjax.prefix.tiers import StoreTier
     from kvjax.models.llama.config import config_from_hf
 
@@ -138,9 +139,10 @@ def _make_store(path):
     rng = np.random.default_rng(0)
     futs = []
     for i, k in enumerate(keys):
-        futs.append(st.write_block_record(ns.hex, k, keys[i - 1] if i else bytes(32), i, toks[4 * i:4 * i + 4]))
+        blk = Block(index=i, key=k, parent_key=keys[i - 1] if i else bytes(32), tokens=toks[4 * i:4 * i + 4])
+        futs.append(st.write_block_record(ns.hex, k, blk.parent_key, i, blk.tokens))
         for s in specs:
-            futs.append(st.write_entry(ns.hex, s, k, rng.standard_normal(s.entry_shape).astype(np.float32)))
+            futs.append(st.write_entry(ns.hex, s, blk, rng.standard_normal(s.entry_shape).astype(np.float32)))
     for f in futs:
         f.result()
     return ns, specs, keys

@@ -76,3 +76,26 @@ def test_rejection_sampling_end_to_end_runs(llama):
     assert st["mean_accepted_per_round"] > 0
     with pytest.raises(ValueError, match="temperature"):
         vc.generate_vericache(llama, prompt, 4, rejection=True)
+
+
+@pytest.mark.parametrize("s,kept", [
+    (sampling.Sampling(1.0, top_k=2), [0, 1]),
+    (sampling.Sampling(1.0, top_p=0.7), [0, 1]),  # 0.5 + 0.2 reaches 0.7: the smallest such set
+    (sampling.Sampling(1.0, top_p=0.71), [0, 1, 2]),
+    (sampling.Sampling(1.0, min_p=0.3), [0, 1, 2]),  # p >= 0.3 * 0.5
+    (sampling.Sampling(1.0, top_k=3, top_p=0.6, min_p=0.1), [0, 1]),
+    (sampling.Sampling(2.0), [0, 1, 2, 3, 4]),
+])
+def test_filters_keep_the_documented_set(s, kept):
+    x = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))[:, ::-1]  # reversed: the filter must sort
+    f = np.asarray(sampling.filtered_logits(x, s))[0, ::-1]
+    assert np.nonzero(np.isfinite(f))[0].tolist() == kept
+    np.testing.assert_allclose(f[kept], np.log([0.5, 0.2, 0.15, 0.1, 0.05])[kept] / s.temperature, rtol=1e-6)
+
+
+def test_filtered_sampling_draws_only_kept_tokens():
+    s = sampling.Sampling(1.0, top_k=2)
+    x = jnp.broadcast_to(jnp.log(jnp.asarray([0.1, 0.4, 0.3, 0.2])), (4000, 1, 4))
+    toks = np.asarray(sampling.select_tokens(x, jnp.zeros((4000, 1), jnp.int32), jnp.arange(4000), s))
+    counts = np.bincount(toks.ravel(), minlength=4)
+    assert counts[0] == counts[3] == 0 and abs(counts[1] / 4000 - 4 / 7) < 0.03

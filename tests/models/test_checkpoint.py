@@ -43,7 +43,7 @@ def test_generates_code_from_a_held_out_prompt(model):
     from kvjax.data import corpus
 
     prompt = corpus.long_prompts(model.tokenizer, 1024, 1)[0]
-    out = kvjax.generate(model, prompt, max_new_tokens=24, stop_at_eos=False)
+    out = kvjax.generate(model, prompt, max_new_tokens=24, ignore_eos=True)
     assert out.shape == (24,)
     text = model.tokenizer.decode([int(t) for t in out])
     assert len(text) > 24  # a trained BPE model emits multi-character tokens

@@ -37,7 +37,7 @@ def test_trained_loss_beats_uniform_and_generate_runs(model):
     lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
     nll = -lp[np.arange(599), prompt[1:]].mean()
     assert nll < 6.5, nll  # uniform over 4096 tokens is 8.3 nats
-    out = kvjax.generate(model, prompt[:200], max_new_tokens=8, stop_at_eos=False)
+    out = kvjax.generate(model, prompt[:200], max_new_tokens=8, ignore_eos=True)
     assert out.shape == (8,)
     # greedy decode through the cache equals argmax of the full forward on the extended sequence
     full = kvjax.logits(model, np.concatenate([prompt[:200], out[:-1]]))

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -41,16 +42,33 @@ def test_same_identity_hits(setup):
     assert plan.boundary == 64
 
 
+def _lora(scale=1.0):
+    return {"a": jnp.full((4, 2), scale), "b": jnp.ones((2, 4))}
+
+
 @pytest.mark.parametrize("change,field", [
-    (dict(tenant_salt="tenant-b"), "tenant_salt"),
-    (dict(adapter="lora:abc123"), "semantic.adapter"),
-    (dict(adapter_scale=0.5), "semantic.adapter_scale"),
-    (dict(tokenizer_rev="tok-2"), "semantic.tokenizer_rev"),
-    (dict(template_rev="tpl-2"), "semantic.template_rev"),
+    (dict(adapters=[(_lora(), 1.0)]), "semantic.adapters"),
+    (dict(adapters=[(_lora(), 1.0), (_lora(2.0), 0.5)]), "semantic.adapters"),
 ])
 def test_request_identity_changes_miss(setup, change, field):
     model, pc, prompt = setup
     assert field in miss_fields(pc, model_namespace(model, pc, **change), prompt)
+
+
+@pytest.mark.parametrize("field,value", [("tokenizer_rev", "tok-2"), ("template_rev", "tpl-2")])
+def test_tokenizer_revision_changes_miss(setup, field, value):
+    model, pc, prompt = setup
+    ns = model_namespace(model, pc)
+    other = dataclasses.replace(ns, semantic={**ns.semantic, field: value})
+    assert f"semantic.{field}" in miss_fields(pc, other, prompt)
+
+
+def test_another_tenant_is_not_an_identity_miss(setup):
+    """Tenants are isolated: another tenant's entries are neither hit nor named (tests/prefix/test_tenant_...)."""
+    model, pc, prompt = setup
+    plan = pc.lookup(model_namespace(model, pc, tenant_salt="tenant-b"), prompt)
+    plan.lease.release()
+    assert plan.boundary == 0 and [s.cause for s in plan.shortfalls] == ["not cached"]
 
 
 def test_weights_change_misses_and_rename_does_not(setup):
@@ -109,11 +127,12 @@ def test_insert_with_foreign_formats_is_refused(setup):
 def test_typed_fields_do_not_alias():
     cfg = toy_config()
     kw = dict(weights="w", kv_dtype="float32", formats={}, block_size=P)
-    a = make_namespace(cfg, adapter="x", tenant_salt="", **kw)
-    b = make_namespace(cfg, adapter="", tenant_salt="x", **kw)
-    c = make_namespace(cfg, adapter_scale=1, **kw)
-    d = make_namespace(cfg, adapter_scale=1.0, **kw)
-    assert a.hex != b.hex
+    a = make_namespace(cfg, adapters=[("x", 1.0)], tenant_salt="", **kw)
+    b = make_namespace(cfg, adapters=[], tenant_salt="x", **kw)
+    c = make_namespace(cfg, adapters=[("x", 1)], **kw)
+    d = make_namespace(cfg, adapters=[("x", 1.0)], **kw)
+    e = make_namespace(cfg, template_rev="x", **kw)
+    assert a.hex != b.hex and b.hex != e.hex
     assert c.hex == d.hex  # scale is normalised to float
 
 

@@ -1,6 +1,7 @@
 """Tiers: device -> host demotion, a TensorStore store that survives a restart, corrupt/truncated entries recomputed,
 admission caps and capacity-miss reasons."""
 
+import json
 import os
 
 import numpy as np
@@ -123,8 +124,10 @@ def test_corrupt_store_entries_are_detected_and_recomputed(model, tmp_path, dama
         raw = raw[:-5] + bytes([raw[-5] ^ 0xFF]) + raw[-4:]
     elif damage == "truncate":
         raw = raw[: len(raw) - 100]
-    else:
-        raw = raw.replace(b'"complete": true', b'"complete": false')
+    else:  # a well-formed header that says the entry is incomplete
+        hl = int.from_bytes(raw[:8], "little")
+        h = json.dumps({**json.loads(raw[8:8 + hl]), "complete": False}).encode()
+        raw = len(h).to_bytes(8, "little") + h + raw[8 + hl:]
     open(path, "wb").write(raw)
     pc2 = PrefixCache(forms_for(model.config, np.float32, P), device_bytes=1 << 20, host_bytes=0, store_url=url)
     got, plan = run(model, pc2, PROMPT)

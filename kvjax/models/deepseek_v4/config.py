@@ -9,12 +9,12 @@ CSA/HCA layers and their compressors/indexer). Fields kvjax cannot run raise `Un
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Mapping
 
 import jax
 
 from kvjax.errors import UnsupportedConfigError
+from kvjax.models.config_fields import KVFields
 from kvjax.models.layer_types import CSA, HCA, SLIDING
 from kvjax.models.rope import RopeConfig
 
@@ -29,7 +29,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(KVFields):
     """Static DeepSeek-V4 description; hashable, so it can be passed straight into jitted functions."""
 
     vocab_size: int
@@ -79,16 +79,6 @@ class DeepseekV4Config:
     def rate(self, kind: str) -> int:
         """Compression rate of a layer type (0 for sliding layers)."""
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
-
-    def kv_fields(self) -> dict[str, Any]:
-        """Every field that changes the keys/values a cache holds (the semantic part of a cache identity)."""
-        d = dataclasses.asdict(self)
-        d.pop("bos_token_id")
-        d.pop("eos_token_ids")
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 # Fields that, present with any other value, would change the computation in ways this file does not implement.

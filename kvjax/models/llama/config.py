@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import jax
 
 from kvjax.errors import UnsupportedConfigError
+from kvjax.models.config_fields import KVFields
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
@@ -23,7 +24,7 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(KVFields):
     """Static model description; hashable, so it can be passed straight into jitted functions."""
 
     family: str
@@ -50,16 +51,6 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (GQA group)."""
         return self.num_heads // self.num_kv_heads
-
-    def kv_fields(self) -> dict[str, Any]:
-        """Every field that changes the keys/values a cache holds (the semantic part of a cache identity)."""
-        d = dataclasses.asdict(self)
-        d.pop("bos_token_id")
-        d.pop("eos_token_ids")
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 # Fields that, when present with a non-default value, change the computation in ways kvjax does not implement.

@@ -22,7 +22,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from kvjax.arrays import np_dtype
 
 from kvjax.cache.hybrid import HybridCache
 from kvjax.models.deepseek_v4.cache import init_cache
@@ -124,12 +125,12 @@ def _restore(cache: HybridCache, comp, idx, swa, tail, boundary, *, P: int):
     return HybridCache(layers=tuple(layers), length=seen)
 
 
-class HybridForms:
-    """FormSet of a DeepSeek-V4 config: "compressed", "indexer" (path) and "swa", "tail" (snapshot)."""
+class DeepseekV4BlockLayout:
+    """BlockLayout of a DeepSeek-V4 config: "compressed", "indexer" (path) and "swa", "tail" (snapshot)."""
 
     def __init__(self, config, dtype, block_size: int | None = None):
         self.config = config
-        self.dtype = np.dtype(dtype)
+        self.dtype = np_dtype(dtype)
         P = self.block_size = int(block_size or default_block_size(config))
         rates = (config.csa_rate, config.hca_rate)
         check_block_size(P, rates)

@@ -8,7 +8,7 @@ A model's per-request state is split into *forms* (DESIGN.md idea 2). Each form 
 - **snapshot** forms are the state *at* a boundary: it rolls, so it cannot be assembled from blocks (the SWA ring,
   V4's uncompressed tail). A snapshot form serves exactly the boundaries where a snapshot was stored.
 
-A family plugs in through a `FormSet`: `specs`, `blocks(cache)` (all path blocks of a cache, static shape),
+A family plugs in through a `BlockLayout`: `specs`, `blocks(cache)` (all path blocks of a cache, static shape),
 `snapshot(cache)` (all snapshot forms at the cache's current length) and `restore(cache, staged, boundary)`.
 Everything shape-dependent is jitted once per capacity bucket (`max_blocks = capacity // P`).
 
@@ -29,16 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.arrays import np_dtype
+
 from kvjax.cache.dense import DenseKV, ModelCache
 from kvjax.models.llama.cache import init_cache
-from kvjax.prefix.identity import digest
+from kvjax.prefix.hashing import digest
+from kvjax.prefix.runtime_identity import KERNEL_ABI
 from kvjax.models.layer_types import SLIDING
 from kvjax.models.llama.config import ModelConfig
 
 PATH = "path"
 SNAPSHOT = "snapshot"
 FORMAT_VERSION = 1
-KERNEL_ABI = "kvjax-jnp-attend-1"  # the attention definition the bytes are read by (models/attention.py)
 DEFAULT_BLOCK_SIZE = 64
 
 
@@ -78,7 +80,7 @@ class FormSpec:
         return digest(b"kvjax.format1", body.encode()).hex()[:32]
 
 
-class FormSet(Protocol):
+class BlockLayout(Protocol):
     """What a model family provides so the prefix cache can save and restore its state."""
 
     block_size: int
@@ -148,7 +150,7 @@ def _restore(cache: ModelCache, dense, swa, boundary, *, full, sliding):
     return ModelCache(layers=tuple(layers), length=b)
 
 
-class LlamaForms:
+class LlamaBlockLayout:
     """Forms of a Llama-family cache: "dense" (path; full layers' K/V per block) and "swa" (snapshot; every sliding
     layer's ring at a block boundary). The ring is not recoverable from blocks once it rolled, so it is snapshotted.
     """
@@ -156,7 +158,7 @@ class LlamaForms:
     def __init__(self, config: ModelConfig, dtype, block_size: int = DEFAULT_BLOCK_SIZE):
         self.config = config
         self.block_size = int(block_size)
-        self.dtype = np.dtype(dtype)
+        self.dtype = np_dtype(dtype)
         self.full = tuple(i for i, t in enumerate(config.layer_types) if t != SLIDING)
         self.sliding = tuple(i for i, t in enumerate(config.layer_types) if t == SLIDING)
         K, D, P = config.num_kv_heads, config.head_dim, self.block_size
