@@ -181,7 +181,9 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     last = first
     x = draft_len
     t_start = time.perf_counter()
+    spec = getattr(dcache, "refresh", None)
     while len(out) < max_new_tokens:
+        refresh_now = spec is not None and len(met.rounds) % spec.period == 0
         ta = time.perf_counter()
         drafts, qlog, dcache = draft_mod.draft_step(params, config, dcache, last, seed_a, x=x,
                                                     temperature=temperature, rejection=rejection, family=family,
@@ -194,13 +196,13 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             tc = time.perf_counter()
             emitted, n, device_part, dcache, logits, _ = verify_mod.verify_offloaded(
                 params, config, fetched, device_part, length, prompt_len, dcache, last, drafts, qlog, seed_a,
-                temperature=temperature, rejection=rejection, family=family, impl=impl)
+                temperature=temperature, rejection=rejection, family=family, impl=impl, refresh=refresh_now)
             length = length + n + 1
         else:
             tc = tb
             emitted, n, full, dcache, logits = verify_mod.verify_step(
                 params, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
-                rejection=rejection, family=family, impl=impl)
+                rejection=rejection, family=family, impl=impl, refresh=refresh_now)
         n_host = int(n[0])
         new = np.asarray(emitted[0, :n_host + 1])
         td = time.perf_counter()

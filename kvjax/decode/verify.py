@@ -29,18 +29,25 @@ def accept(drafts: jax.Array, target: jax.Array):
 
 
 def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float, rejection: bool,
-                family, impl: str):
+                family, impl: str, refresh: bool = False):
     """Verify + accept + commit (traced inside a jit). Returns (emitted i32[B, x+1], n i32[B], full, dcache, logits
     f32[B, x+1, V]).
 
     emitted[:, :n+1] are the new tokens (n accepted drafts, then the full cache's own token); logits[:, j] is the row
-    that chose emitted[:, j]. `dcache` None: no draft to update (the remote stream's fetch-full path).
+    that chose emitted[:, j]. `dcache` None: no draft to update (the remote stream's fetch-full path). `refresh`: the
+    draft is a refreshing one (`dcache.refresh`) and re-selects its prompt part from this verification's queries.
     """
     B, x = drafts.shape
     L = full.length
     tokens = jnp.concatenate([last[:, None].astype(jnp.int32), drafts], axis=1)
-    logits, after = family.verify_forward(params, config, full, tokens, jnp.full((B,), x + 1, jnp.int32),
-                                          implementation=impl)
+    n_rows = jnp.full((B,), x + 1, jnp.int32)
+    if refresh:
+        spec = dcache.refresh
+        scored = family.require("verify_forward_scored", "refreshing draft caches")
+        logits, after, masses = scored(params, config, full, tokens, n_rows, rows=spec.rows, block=spec.block,
+                                       implementation=impl)
+    else:
+        logits, after = family.verify_forward(params, config, full, tokens, n_rows, implementation=impl)
     positions = L[:, None] + 1 + jnp.arange(x + 1, dtype=jnp.int32)[None, :]  # positions of predicted tokens
     if rejection:
         n, nxt = sampling.rejection_accept(logits, qlog, drafts, positions, seed, temperature)
@@ -53,13 +60,15 @@ def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
     full = family.commit(params, config, full, after, tokens, L + keep, implementation=impl)
     if dcache is not None:
         dcache = family.draft_commit(dcache, full, L, keep, block=x + 1)
+        if refresh:
+            dcache = family.draft_refresh(dcache, full, masses, spec=dcache.refresh)
     return emitted, n, full, dcache, logits
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
+@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl", "refresh"),
                    donate_argnames=("full", "dcache"))
 def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float = 0.0,
-                rejection: bool = False, family, impl: str):
+                rejection: bool = False, family, impl: str, refresh: bool = False):
     """Resident verify: one x+1-row forward over the full cache, accept, commit, update the draft.
 
     Args:
@@ -70,13 +79,13 @@ def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
         (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V]).
     """
     return verify_core(params, config, full, dcache, last, drafts, qlog, seed, temperature=temperature,
-                       rejection=rejection, family=family, impl=impl)
+                       rejection=rejection, family=family, impl=impl, refresh=refresh)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
+@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl", "refresh"),
                    donate_argnames=("host_part", "device_part", "dcache"))
 def verify_offloaded(params, config, host_part, device_part, length, prompt_len, dcache, last, drafts, qlog, seed, *,
-                     temperature: float = 0.0, rejection: bool = False, family, impl: str):
+                     temperature: float = 0.0, rejection: bool = False, family, impl: str, refresh: bool = False):
     """Verify with the prompt's full state just brought back from host memory.
 
     The full cache is assembled on the device from the fetched `host_part` (donated, so the assembly writes into the
@@ -92,6 +101,6 @@ def verify_offloaded(params, config, host_part, device_part, length, prompt_len,
     L = full.length
     emitted, n, full, dcache, logits = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
                                                    temperature=temperature, rejection=rejection, family=family,
-                                                   impl=impl)
+                                                   impl=impl, refresh=refresh)
     device_part = family.offload_update(device_part, full, L, n + 1, prompt_len, block=x + 1)
     return emitted, n, device_part, dcache, logits, full

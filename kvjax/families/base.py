@@ -21,7 +21,9 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   keep, *, block) -> draft` — after a verify: forget the drafted state past `start`, take the `keep[b]` exact
   positions `start[b]..` from the committed full cache; `draft_split(draft) -> (invariant, changing)` and
   `draft_join(invariant | None, changing) -> draft` — what drafting never changes (kept out of loop carries and
-  out of the rows the schedulers verify) and what it does.
+  out of the rows the schedulers verify) and what it does; `verify_forward_scored(..., rows, block)` (the verify
+  forward plus block masses of some rows' queries) and `draft_refresh(draft, full, masses, *, spec)` — a refreshing
+  draft re-selects its prompt part from them.
 - accounting: `read_bytes(cache, length)` — bytes one forward over `length` cached tokens reads.
 - offload (full cache in host memory between verifications): `offload_split(full, tail_capacity) -> (host_part,
   device_part)`; `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`;
@@ -60,6 +62,8 @@ class Family:
     draft_forward: Callable[..., Any] | None = None
     draft_commit: Callable[..., Any] | None = None
     draft_split: Callable[..., Any] | None = None
+    verify_forward_scored: Callable[..., Any] | None = None
+    draft_refresh: Callable[..., Any] | None = None
     draft_join: Callable[..., Any] | None = None
     compressor: Callable[..., Any] | None = None
     compressors: tuple[str, ...] = ()
