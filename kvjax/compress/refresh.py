@@ -7,14 +7,14 @@ over the GQA group and the verify rows, top-k tokens per (layer, KV head) become
 (arXiv 2404.11912: fixed-size chunks scored as one).
 
 Here, per full-attention layer and KV head, the full cache is cut into blocks of `block` tokens; a block's score is
-the softmax mass the queries of the verify rows `rows` (default the first and the last: Vegas) put on it, summed over
-the GQA group and the rows. The draft keeps the top blocks within the same static budget as every other drafter (a
+the softmax mass the queries of the verify rows put on it (the first and the last: Vegas), summed over the GQA group
+and the rows. The draft keeps the top blocks within the same static budget as every other drafter (a
 `ratio`-th of the prompt), always with the first `sink_blocks` blocks and the `recent_blocks` blocks just before the
 tokens the draft's recent ring holds exactly. Budget, block size, rows and refresh period are static; selection is a
-`top_k`; nothing recompiles. The scores come out of the verify forward as a side computation on its own queries (the
-verify's attention arithmetic is untouched, so verification stays bit-identical to the reference decoder), and the new
-selection is gathered from the full cache the verify just read — in offloaded mode from the fetched copy, with no
-extra transfer. Before the first verification the selection is made the same way from the last `obs_window` prompt
+`top_k`; nothing recompiles. The verify forward hands out its rows' queries (every verify-shape program does, so
+verification stays bit-identical to the reference decoder), a separate jitted step scores the full cache with them
+and gathers the new selection from the full cache the verify just read — in offloaded mode from the fetched copy,
+with no extra transfer. Before the first verification the selection is made the same way from the last `obs_window` prompt
 tokens' queries.
 """
 
@@ -40,7 +40,6 @@ class RefreshSpec:
     budget_blocks: int
     sink_blocks: int
     recent_blocks: int
-    rows: tuple[int, ...]
     period: int
 
     @property
@@ -73,9 +72,13 @@ def _ring_start(ring_pos: jax.Array, length: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(held, axis=1), length)
 
 
-def refresh_draft(draft: DraftCache, full: ModelCache, masses: tuple, *, spec: RefreshSpec) -> DraftCache:
-    """The draft with every full-attention layer's prompt part re-selected from `masses` (per layer f32[B, K, nb] or
-    None) and gathered from the committed full cache; rings, sliding layers and the length are left as they are."""
+def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec) -> DraftCache:
+    """The draft with every full-attention layer's prompt part re-selected from the block masses the verify rows'
+    queries (`aux`, from the verify forward) put on the committed full cache, and gathered from it; rings, sliding
+    layers and the length are left as they are."""
+    from kvjax.models.llama.refresh import refresh_masses  # noqa: PLC0415 - models sit below compress
+
+    masses = refresh_masses(full, aux, block=spec.block)
     layers = []
     for dl, form, mass in zip(draft.layers, full.layers, masses):
         if mass is None or not isinstance(form, DenseKV):
@@ -95,7 +98,6 @@ class Refresh(Compressor):
     Attributes:
         ratio: prompt tokens / kept tokens (the same static budget as the other drafters).
         block: tokens per scored block; sink_blocks / recent_blocks: always kept.
-        rows: the verify rows whose queries score (0 = the last emitted token, -1 = the last draft).
         period: refresh after every `period`-th verification.
         obs_window: prompt tokens whose queries make the first selection.
     """
@@ -103,7 +105,6 @@ class Refresh(Compressor):
     block: int = 16
     sink_blocks: int = 1
     recent_blocks: int = 4
-    rows: tuple[int, ...] = (0, -1)
     period: int = 1
     obs_window: int = 16
     name: str = dataclasses.field(default="refresh", init=False)
@@ -111,7 +112,7 @@ class Refresh(Compressor):
     def spec(self, prompt_len: int) -> RefreshSpec:
         budget_blocks = max(self.sink_blocks + self.recent_blocks + 1, -(-self.budget(prompt_len) // self.block))
         return RefreshSpec(block=self.block, budget_blocks=budget_blocks, sink_blocks=self.sink_blocks,
-                           recent_blocks=self.recent_blocks, rows=tuple(self.rows), period=self.period)
+                           recent_blocks=self.recent_blocks, period=self.period)
 
     def prepare(self, params, config, full, prompt):
         from kvjax.models.llama.refresh import prompt_block_masses  # noqa: PLC0415 - models sit below compress

@@ -29,25 +29,20 @@ def accept(drafts: jax.Array, target: jax.Array):
 
 
 def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float, rejection: bool,
-                family, impl: str, refresh: bool = False):
+                family, impl: str):
     """Verify + accept + commit (traced inside a jit). Returns (emitted i32[B, x+1], n i32[B], full, dcache, logits
-    f32[B, x+1, V]).
+    f32[B, x+1, V], aux).
 
     emitted[:, :n+1] are the new tokens (n accepted drafts, then the full cache's own token); logits[:, j] is the row
-    that chose emitted[:, j]. `dcache` None: no draft to update (the remote stream's fetch-full path). `refresh`: the
-    draft is a refreshing one (`dcache.refresh`) and re-selects its prompt part from this verification's queries.
+    that chose emitted[:, j]; aux is what the family's verify forward hands out besides (Llama: two rows' queries,
+    which a refreshing draft scores with, `kvjax.decode.refresh`). `dcache` None: no draft to update (the remote
+    stream's fetch-full path).
     """
     B, x = drafts.shape
     L = full.length
     tokens = jnp.concatenate([last[:, None].astype(jnp.int32), drafts], axis=1)
-    n_rows = jnp.full((B,), x + 1, jnp.int32)
-    if refresh:
-        spec = dcache.refresh
-        scored = family.require("verify_forward_scored", "refreshing draft caches")
-        logits, after, masses = scored(params, config, full, tokens, n_rows, rows=spec.rows, block=spec.block,
-                                       implementation=impl)
-    else:
-        logits, after = family.verify_forward(params, config, full, tokens, n_rows, implementation=impl)
+    logits, after, aux = family.verify_forward(params, config, full, tokens, jnp.full((B,), x + 1, jnp.int32),
+                                               implementation=impl)
     positions = L[:, None] + 1 + jnp.arange(x + 1, dtype=jnp.int32)[None, :]  # positions of predicted tokens
     if rejection:
         n, nxt = sampling.rejection_accept(logits, qlog, drafts, positions, seed, temperature)
@@ -60,15 +55,13 @@ def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
     full = family.commit(params, config, full, after, tokens, L + keep, implementation=impl)
     if dcache is not None:
         dcache = family.draft_commit(dcache, full, L, keep, block=x + 1)
-        if refresh:
-            dcache = family.draft_refresh(dcache, full, masses, spec=dcache.refresh)
-    return emitted, n, full, dcache, logits
+    return emitted, n, full, dcache, logits, aux
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl", "refresh"),
+@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
                    donate_argnames=("full", "dcache"))
 def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float = 0.0,
-                rejection: bool = False, family, impl: str, refresh: bool = False):
+                rejection: bool = False, family, impl: str):
     """Resident verify: one x+1-row forward over the full cache, accept, commit, update the draft.
 
     Args:
@@ -76,16 +69,16 @@ def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
         last: i32[B]; drafts: i32[B, x]; qlog: draft logits (rejection sampling only); seed: i32[B].
 
     Returns:
-        (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V]).
+        (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V], aux).
     """
     return verify_core(params, config, full, dcache, last, drafts, qlog, seed, temperature=temperature,
-                       rejection=rejection, family=family, impl=impl, refresh=refresh)
+                       rejection=rejection, family=family, impl=impl)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl", "refresh"),
+@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
                    donate_argnames=("host_part", "device_part", "dcache"))
 def verify_offloaded(params, config, host_part, device_part, length, prompt_len, dcache, last, drafts, qlog, seed, *,
-                     temperature: float = 0.0, rejection: bool = False, family, impl: str, refresh: bool = False):
+                     temperature: float = 0.0, rejection: bool = False, family, impl: str):
     """Verify with the prompt's full state just brought back from host memory.
 
     The full cache is assembled on the device from the fetched `host_part` (donated, so the assembly writes into the
@@ -93,14 +86,15 @@ def verify_offloaded(params, config, host_part, device_part, length, prompt_len,
     on a cache bitwise equal to the resident one; only the device part keeps the accepted rows.
 
     Returns:
-        (emitted, n, device_part, dcache, logits, scratch) — scratch is the assembled full cache, returned only so the
-        donated transferred buffers can be aliased (assembled in place); callers drop it.
+        (emitted, n, device_part, dcache, logits, aux, scratch) — scratch is the assembled (committed) full cache,
+        returned so the donated transferred buffers can be aliased (assembled in place); a refreshing draft re-selects
+        from it, everyone else drops it.
     """
     B, x = drafts.shape
     full = family.offload_join(host_part, device_part, length, prompt_len)
     L = full.length
-    emitted, n, full, dcache, logits = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
-                                                   temperature=temperature, rejection=rejection, family=family,
-                                                   impl=impl, refresh=refresh)
+    emitted, n, full, dcache, logits, aux = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
+                                                        temperature=temperature, rejection=rejection,
+                                                        family=family, impl=impl)
     device_part = family.offload_update(device_part, full, L, n + 1, prompt_len, block=x + 1)
-    return emitted, n, device_part, dcache, logits, full
+    return emitted, n, device_part, dcache, logits, aux, full

@@ -8,7 +8,7 @@ from kvjax.compress import COMPRESSORS, make_compressor
 from kvjax.families.base import Family
 from kvjax.models.attention import make_attention_fn
 from kvjax.compress.refresh import refresh_draft
-from kvjax.models.llama import cache, draft, model, offload, refresh, verify, weights
+from kvjax.models.llama import cache, draft, model, offload, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
 
@@ -35,7 +35,6 @@ LLAMA = Family(
     check_draft_len=verify.check_draft_len,
     draft_forward=draft.draft_forward,
     draft_commit=draft.draft_commit,
-    verify_forward_scored=refresh.verify_forward_scored,
     draft_refresh=refresh_draft,
     draft_split=draft_forms.draft_split,
     draft_join=draft_forms.draft_join,

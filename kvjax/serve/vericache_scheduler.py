@@ -264,7 +264,7 @@ class VeriCacheScheduler:
         cfg, params = self.model.config, self.model.params
         fam = self.model.family
         row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s), family=fam)
-        emitted, n, tail, row, _, scratch = verify_mod.verify_offloaded(
+        emitted, n, tail, row, _, _, scratch = verify_mod.verify_offloaded(
             params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
             row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
             temperature=self.temperature, family=fam, impl=self.model.attention)
