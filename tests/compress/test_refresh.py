@@ -91,3 +91,13 @@ def test_refresh_compiles_nothing_after_warm_up(hf_model_dir, compile_count):
         if n == 12:
             warm = (compile_count(verify.verify_step), compile_count(refresh_step))
     assert (compile_count(verify.verify_step), compile_count(refresh_step)) == warm
+
+
+def test_refresh_in_the_scheduler_is_exact(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    prompts = [_prompt(140, seed=6), _prompt(100, seed=7), _prompt(120, seed=8)]
+    outs = kvjax.generate_vericache(m, prompts, 16, compressor="refresh", compressor_kw=KW, draft_len=4,
+                                    ignore_eos=True)
+    for p, (t, st) in zip(prompts, outs):
+        np.testing.assert_array_equal(t, kvjax.reference_decode(m, p, 16, draft_len=4))
+        assert st["compressor"] == "refresh"
