@@ -266,14 +266,16 @@ def _batch_full(model, batch, max_new_tokens, sampling, seed, rule, budget_bytes
 def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                        compressor="streaming", draft_len: int = 8, offload: bool = False, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-                       rejection: bool = False, adaptive: tuple | None = None, recent_slots: int = 256,
+                       rejection: bool = False, adaptive: tuple | None = None, adaptive_policy: str = "cost",
+                       recent_slots: int = 256,
                        compressor_kw: dict | None = None, stop=None, ignore_eos: bool = False,
                        return_logits: bool = False, progress=None, budget_bytes: int | None = None):
     """Exact decoding with a lossy draft cache and full-cache verification (VeriCache), for any family.
 
     Arguments as `generate`, plus `compressor` (one of `model.family.compressors` or a draft maker), `draft_len`
     (x drafts per round, static), `offload` (full cache in host memory between verifications), `rejection`
-    (speculative rejection sampling instead of position-keyed exact sampling), `adaptive` (a static set of x),
+    (speculative rejection sampling instead of position-keyed exact sampling), `adaptive` (a static set of x, e.g.
+    `kvjax.decode.draft_length.DEFAULT_SET`) and `adaptive_policy` ("cost" or "grow_shrink"),
     `recent_slots`, `compressor_kw`, `return_logits` (each token's logits row, bit-identical to
     `reference_decode(..., return_logits=True)`), `progress(done, new_tokens)`.
 
@@ -295,7 +297,8 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
     ids = check_token_ids(model, prompt_ids)
     res = vc.generate_vericache(model, ids, max_new_tokens, compressor=compressor, draft_len=draft_len,
                                 offload=offload, temperature=sampling, seed=seed, rejection=rejection,
-                                adaptive=adaptive, recent_slots=recent_slots, compressor_kw=compressor_kw,
+                                adaptive=adaptive, adaptive_policy=adaptive_policy, recent_slots=recent_slots,
+                                compressor_kw=compressor_kw,
                                 progress=progress, return_logits=return_logits,
                                 should_stop=lambda out: rule.end(out) is not None)
     g = finish(res[0], rule, max_new_tokens, prompt_tokens=int(ids.size), stats=res[1])

@@ -54,7 +54,7 @@ def reference(model, prefilled, M: int, x: int) -> np.ndarray:
     seed = jnp.zeros((1,), jnp.int32)
     tok, out = first, [int(first[0])]
     for _ in range(M - 1):
-        tok, _, full = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
+        tok, _, full, _ = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
                                       impl=model.attention)
         out.append(int(tok[0]))
     return np.asarray(out, np.int32)

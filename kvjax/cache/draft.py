@@ -19,6 +19,7 @@ Layout `[B, K, S, D]` as in `kvjax.cache.dense` (token axis next to the head dim
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,9 @@ class DraftCache:
 
     layers: tuple  # DraftLayer per layer
     length: jax.Array  # i32[B] tokens processed (= next position)
+    # how a refreshing drafter re-selects its prompt parts after verifications (`kvjax.compress.refresh`); None for
+    # a static draft, whose parts never change after compression
+    refresh: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
     def prompt_nbytes(self) -> int:
         """Bytes of the compressed prompt parts (what the compression ratio is about)."""
@@ -198,7 +202,7 @@ def draft_split(draft: DraftCache):
     """(the compressed prompt parts of every layer — fixed after compression, the loop invariant of drafting —, the
     draft with those parts removed: its rings and length, what drafting and verification change)."""
     frozen = tuple(l.parts for l in draft.layers)
-    live = DraftCache(layers=tuple(dataclasses.replace(l, parts=()) for l in draft.layers), length=draft.length)
+    live = dataclasses.replace(draft, layers=tuple(dataclasses.replace(l, parts=()) for l in draft.layers))
     return frozen, live
 
 
@@ -206,5 +210,4 @@ def draft_join(frozen, live: DraftCache) -> DraftCache:
     """Inverse of `draft_split`; `frozen` None leaves the parts out (a row handed to verification)."""
     if frozen is None:
         return live
-    return DraftCache(layers=tuple(dataclasses.replace(l, parts=p) for l, p in zip(live.layers, frozen)),
-                      length=live.length)
+    return dataclasses.replace(live, layers=tuple(dataclasses.replace(l, parts=p) for l, p in zip(live.layers, frozen)))

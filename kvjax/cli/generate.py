@@ -15,7 +15,7 @@ from kvjax.cli.prompts import batch_prompts, single_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128  # == kvjax.api.DEFAULT_MAX_NEW_TOKENS (kept literal: --help must not import JAX)
 MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
-COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant")
+COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh")
 VERICACHE_ONLY = ("compressor", "draft_len", "offload", "compare_full", "rejection")
 
 

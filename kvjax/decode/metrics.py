@@ -58,6 +58,7 @@ class RunMetrics:
             "accepted_histogram": hist,
             "draft_lengths": np.bincount(xs).nonzero()[0].tolist() if xs.size else [],
             "draft_s": tot("draft_s"), "verify_s": tot("verify_s"), "transfer_s": tot("transfer_s"),
+            "refresh_s": float(sum(x.get("refresh_s", 0.0) for x in r)),
             "mean_draft_step_s": tot("draft_s") / max(len(r), 1),
             "mean_verify_s": tot("verify_s") / max(len(r), 1),
             "mean_transfer_s": tot("transfer_s") / max(len(r), 1),

@@ -22,11 +22,13 @@ def reference_step(params, config, full, tok: jax.Array, seed: jax.Array, *, x: 
     """One full-cache decode step through the verify shape.
 
     Returns:
-        (next i32[B], row-0 logits f32[B, V], full with length + 1).
+        (next i32[B], row-0 logits f32[B, V], full with length + 1, the verify forward's aux).
     """
     B = tok.shape[0]
     tokens = jnp.zeros((B, x + 1), jnp.int32).at[:, 0].set(tok)
-    logits, full = family.verify_forward(params, config, full, tokens, jnp.ones((B,), jnp.int32),
-                                         implementation=impl)
+    logits, full, aux = family.verify_forward(params, config, full, tokens, jnp.ones((B,), jnp.int32),
+                                              implementation=impl)
     nxt = sampling.select_tokens(logits[:, :1], full.length[:, None], seed, temperature)[:, 0]
-    return nxt, logits[:, 0], full
+    # aux is an output although nobody reads it: every verify-shape program then has the same outputs of the
+    # forward, so XLA compiles the forward the same way in all of them (the bits of the logits depend on it)
+    return nxt, logits[:, 0], full, aux

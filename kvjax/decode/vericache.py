@@ -24,8 +24,10 @@ from kvjax.arrays import tree_nbytes
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import draft as draft_mod
 from kvjax.decode import offload as offl
+from kvjax.decode import refresh as refresh_mod
 from kvjax.decode import sampling, steps
 from kvjax.decode import verify as verify_mod
+from kvjax.decode.draft_length import make_policy
 from kvjax.decode.metrics import RunMetrics
 from kvjax.errors import InputError
 
@@ -53,16 +55,6 @@ def first_token(logits, prompt_len: int, seed, temperature: float):
     return sampling.select_tokens(logits[None, None, :], jnp.asarray([[prompt_len]], jnp.int32), seed, temperature)[0]
 
 
-def _next_x(xs: tuple, x: int, n: int) -> int:
-    """Adaptive draft length: grow after a fully accepted round, shrink when under half was accepted."""
-    i = xs.index(x)
-    if n == x and i + 1 < len(xs):
-        return xs[i + 1]
-    if n < x // 2 and i > 0:
-        return xs[i - 1]
-    return x
-
-
 def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
     xs = tuple(sorted(adaptive)) if adaptive else (draft_len,)
     if draft_len not in xs:
@@ -75,7 +67,7 @@ def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
 def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="streaming", draft_len: int = 8,
                        offload: bool = False, temperature=0.0, seed: int = 0, rejection: bool = False,
                        adaptive: tuple | None = None, recent_slots: int = 256, compressor_kw: dict | None = None,
-                       progress=None, return_logits: bool = False, should_stop=None):
+                       progress=None, return_logits: bool = False, should_stop=None, adaptive_policy: str = "cost"):
     """Exact decoding of one prompt with a lossy draft cache and full-cache verification.
 
     Args:
@@ -88,6 +80,8 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
         temperature: 0 = greedy; > 0 = position-keyed exact sampling (or rejection sampling when `rejection`); or a
             `sampling.Sampling` (temperature with top-k / top-p / min-p filters, applied identically everywhere).
         adaptive: static ascending set of x values to adapt over (starting at draft_len, which must be in it).
+        adaptive_policy: "cost" (the x with the most predicted tokens/s from measured acceptance and phase times) or
+            "grow_shrink" (`kvjax.decode.draft_length`).
         recent_slots: draft ring slots for decoded tokens.
         progress: optional callback(tokens_emitted, new_tokens i32[k]): the first token, then every round's.
         should_stop: optional callable(tokens emitted so far) -> bool, asked after every round: True ends the run
@@ -110,6 +104,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
     return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
                          recent_slots=recent_slots, progress=progress, should_stop=should_stop,
+                         adaptive_policy=adaptive_policy,
                          first_logits=first_logits if return_logits else None)
 
 
@@ -128,7 +123,7 @@ def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, tempe
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
                   adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None,
-                  first_logits=None, should_stop=None):
+                  first_logits=None, should_stop=None, adaptive_policy: str = "cost"):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
     Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
@@ -181,6 +176,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     last = first
     x = draft_len
     t_start = time.perf_counter()
+    spec = getattr(dcache, "refresh", None)
+    policy = make_policy(adaptive_policy, xs) if len(xs) > 1 else None
     while len(out) < max_new_tokens:
         ta = time.perf_counter()
         drafts, qlog, dcache = draft_mod.draft_step(params, config, dcache, last, seed_a, x=x,
@@ -192,20 +189,26 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             fetched = offl.fetch(host_part)
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
-            emitted, n, device_part, dcache, logits, _ = verify_mod.verify_offloaded(
+            emitted, n, device_part, dcache, logits, aux, committed = verify_mod.verify_offloaded(
                 params, config, fetched, device_part, length, prompt_len, dcache, last, drafts, qlog, seed_a,
                 temperature=temperature, rejection=rejection, family=family, impl=impl)
             length = length + n + 1
         else:
             tc = tb
-            emitted, n, full, dcache, logits = verify_mod.verify_step(
+            emitted, n, full, dcache, logits, aux = verify_mod.verify_step(
                 params, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
                 rejection=rejection, family=family, impl=impl)
+            committed = full
         n_host = int(n[0])
         new = np.asarray(emitted[0, :n_host + 1])
         td = time.perf_counter()
+        if spec is not None and (len(met.rounds) + 1) % spec.period == 0:
+            dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
+            jax.block_until_ready(dcache)
+        del committed
+        te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round
-        met.add_round(x=x, accepted=n_host, draft_s=tb - ta, transfer_s=tc - tb, verify_s=td - tc,
+        met.add_round(x=x, accepted=n_host, draft_s=tb - ta, transfer_s=tc - tb, verify_s=td - tc, refresh_s=te - td,
                       draft_read_bytes=x * (met.param_bytes + met.draft_bytes),
                       verify_read_bytes=met.param_bytes + fixed_bytes + ctx * row_bytes,
                       h2d_bytes=met.h2d_bytes_per_verify if offload else 0)
@@ -215,8 +218,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         last = emitted[:, n_host]
         if progress is not None:
             progress(min(len(out), max_new_tokens), new)
-        if len(xs) > 1:
-            x = _next_x(xs, x, n_host)
+        if policy is not None:
+            x = policy.next(x, n_host, tb - ta, td - tb)
         if should_stop is not None and should_stop(out):
             break
     met.decode_s = time.perf_counter() - t_start
@@ -255,7 +258,7 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     tok = first_token(logits, prompt.size, seed_a, temperature)
     out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
     for _ in range(max_new_tokens - 1):
-        tok, row, full = reference_step(model.params, model.config, full, tok, seed_a, x=draft_len,
+        tok, row, full, _ = reference_step(model.params, model.config, full, tok, seed_a, x=draft_len,
                                         temperature=temperature, family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         if return_margins:

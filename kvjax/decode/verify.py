@@ -31,16 +31,18 @@ def accept(drafts: jax.Array, target: jax.Array):
 def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, temperature: float, rejection: bool,
                 family, impl: str):
     """Verify + accept + commit (traced inside a jit). Returns (emitted i32[B, x+1], n i32[B], full, dcache, logits
-    f32[B, x+1, V]).
+    f32[B, x+1, V], aux).
 
     emitted[:, :n+1] are the new tokens (n accepted drafts, then the full cache's own token); logits[:, j] is the row
-    that chose emitted[:, j]. `dcache` None: no draft to update (the remote stream's fetch-full path).
+    that chose emitted[:, j]; aux is what the family's verify forward hands out besides (Llama: two rows' queries,
+    which a refreshing draft scores with, `kvjax.decode.refresh`). `dcache` None: no draft to update (the remote
+    stream's fetch-full path).
     """
     B, x = drafts.shape
     L = full.length
     tokens = jnp.concatenate([last[:, None].astype(jnp.int32), drafts], axis=1)
-    logits, after = family.verify_forward(params, config, full, tokens, jnp.full((B,), x + 1, jnp.int32),
-                                          implementation=impl)
+    logits, after, aux = family.verify_forward(params, config, full, tokens, jnp.full((B,), x + 1, jnp.int32),
+                                               implementation=impl)
     positions = L[:, None] + 1 + jnp.arange(x + 1, dtype=jnp.int32)[None, :]  # positions of predicted tokens
     if rejection:
         n, nxt = sampling.rejection_accept(logits, qlog, drafts, positions, seed, temperature)
@@ -53,7 +55,7 @@ def verify_core(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
     full = family.commit(params, config, full, after, tokens, L + keep, implementation=impl)
     if dcache is not None:
         dcache = family.draft_commit(dcache, full, L, keep, block=x + 1)
-    return emitted, n, full, dcache, logits
+    return emitted, n, full, dcache, logits, aux
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
@@ -67,7 +69,7 @@ def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
         last: i32[B]; drafts: i32[B, x]; qlog: draft logits (rejection sampling only); seed: i32[B].
 
     Returns:
-        (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V]).
+        (emitted i32[B, x+1], n i32[B], full, dcache, logits f32[B, x+1, V], aux).
     """
     return verify_core(params, config, full, dcache, last, drafts, qlog, seed, temperature=temperature,
                        rejection=rejection, family=family, impl=impl)
@@ -84,14 +86,15 @@ def verify_offloaded(params, config, host_part, device_part, length, prompt_len,
     on a cache bitwise equal to the resident one; only the device part keeps the accepted rows.
 
     Returns:
-        (emitted, n, device_part, dcache, logits, scratch) — scratch is the assembled full cache, returned only so the
-        donated transferred buffers can be aliased (assembled in place); callers drop it.
+        (emitted, n, device_part, dcache, logits, aux, scratch) — scratch is the assembled (committed) full cache,
+        returned so the donated transferred buffers can be aliased (assembled in place); a refreshing draft re-selects
+        from it, everyone else drops it.
     """
     B, x = drafts.shape
     full = family.offload_join(host_part, device_part, length, prompt_len)
     L = full.length
-    emitted, n, full, dcache, logits = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
-                                                   temperature=temperature, rejection=rejection, family=family,
-                                                   impl=impl)
+    emitted, n, full, dcache, logits, aux = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
+                                                        temperature=temperature, rejection=rejection,
+                                                        family=family, impl=impl)
     device_part = family.offload_update(device_part, full, L, n + 1, prompt_len, block=x + 1)
-    return emitted, n, device_part, dcache, logits, full
+    return emitted, n, device_part, dcache, logits, aux, full

@@ -13,10 +13,11 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   (one state per layer: the full-cache scheduler admits it and remote serving streams it layer by layer) and
   `length` i32[B]; slots a prefill has not written hold init_cache's zeros (remote entries are trimmed to what was
   written); `forward(params, config, cache, tokens i32[B, T], n_valid i32[B], *, implementation=None) -> (logits
-  f32[B, T, V], cache)` — prefill chunks and plain one-token decode; `verify_forward` — the same over the full cache
-  in the canonical verify arithmetic (the shape the reference decoder and VeriCache's verification share, bit for
-  bit); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the state after a
-  verify block rolled back to `keep_len[b]` tokens (masked, no reshape).
+  f32[B, T, V], cache)` — prefill chunks and plain one-token decode; `verify_forward(...) -> (logits, cache, aux)` —
+  the same over the full cache in the canonical verify arithmetic (the shape the reference decoder and VeriCache's
+  verification share, bit for bit; aux is the family's by-product of it, e.g. queries for refreshing drafts, None
+  when it has none); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the
+  state after a verify block rolled back to `keep_len[b]` tokens (masked, no reshape).
 - the draft cache: a compressor (`compressor(name, **kw)`; names in `compressors`) is called as
   `compressor(params, config, full, prompt, *, recent_slots) -> draft`; a draft has `length`, `nbytes()`,
   `prompt_nbytes()` and `room()` (tokens it can take before a ring wraps or its capacity ends), and one pytree
@@ -25,7 +26,8 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   keep, *, block) -> draft` — after a verify: forget the drafted state past `start`, take the `keep[b]` exact
   positions `start[b]..` from the committed full cache; `draft_split(draft) -> (invariant, changing)` and
   `draft_join(invariant | None, changing) -> draft` — what drafting never changes (kept out of loop carries and
-  out of the rows the schedulers verify) and what it does.
+  out of the rows the schedulers verify) and what it does; `draft_refresh(draft, full, aux, *, spec)` — a refreshing
+  draft re-selects its prompt part from what the verify forward handed out.
 - accounting: `read_bytes(cache, length)` — bytes one forward over `length` cached tokens reads.
 - offload (full cache in host memory between verifications): `offload_split(full, tail_capacity) -> (host_part,
   device_part)` (it computes nothing on `full`: a scheduler splits host-resident caches too);
@@ -66,6 +68,7 @@ class Family:
     draft_forward: Callable[..., Any] | None = None
     draft_commit: Callable[..., Any] | None = None
     draft_split: Callable[..., Any] | None = None
+    draft_refresh: Callable[..., Any] | None = None
     draft_join: Callable[..., Any] | None = None
     compressor: Callable[..., Any] | None = None
     compressors: tuple[str, ...] = ()

@@ -7,6 +7,7 @@ from kvjax.cache import draft as draft_forms
 from kvjax.compress import COMPRESSORS, make_compressor
 from kvjax.families.base import Family
 from kvjax.models.attention import make_attention_fn
+from kvjax.compress.refresh import refresh_draft
 from kvjax.models.llama import cache, draft, model, offload, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
@@ -34,6 +35,7 @@ LLAMA = Family(
     check_draft_len=verify.check_draft_len,
     draft_forward=draft.draft_forward,
     draft_commit=draft.draft_commit,
+    draft_refresh=refresh_draft,
     draft_split=draft_forms.draft_split,
     draft_join=draft_forms.draft_join,
     compressor=make_compressor,

@@ -122,7 +122,7 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
     if decoder == "reference":
         tok, seed = first, jnp.zeros((1,), jnp.int32)
         for _ in range(M - 1):
-            tok, _, full = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
+            tok, _, full, _ = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
                                           impl=model.attention)
             out.append(int(tok[0]))
         return np.asarray(out, np.int32), {}
@@ -323,7 +323,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             queue = []
             drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
                                                      impl=model.attention)
-        emitted, n, full, dcache, _ = verify_mod.verify_step(
+        emitted, n, full, dcache, _, _ = verify_mod.verify_step(
             params, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
             family=model.family, impl=model.attention)
         n = int(n[0])

@@ -91,6 +91,16 @@ def put_row(dbatch, row, slot: jax.Array, *, family):
     return family.draft_join(frozen, jax.tree.map(put, live, family.draft_split(row)[1]))
 
 
+@functools.partial(jax.jit, static_argnames="family", donate_argnames="dbatch")
+def put_parts(dbatch, row, slot: jax.Array, *, family):
+    """Write a B = 1 row's invariant part — the prompt parts a refreshing draft re-selected — into slot `slot`, for
+    the layers where the row has one (the others keep the batch's)."""
+    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, 0)  # noqa: E731
+    frozen, live = family.draft_split(dbatch)
+    new = tuple(f if not rf else jax.tree.map(put, f, rf) for f, rf in zip(frozen, family.draft_split(row)[0]))
+    return family.draft_join(new, live)
+
+
 @functools.partial(jax.jit, donate_argnames="dbatch")
 def put_slot_row(dbatch, row, slot: jax.Array):
     """Admission: write a whole B = 1 draft cache (shapes as `dbatch`'s rows) into slot `slot`."""

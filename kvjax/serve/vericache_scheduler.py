@@ -48,6 +48,7 @@ from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
 from kvjax.decode import verify as verify_mod
+from kvjax.decode.refresh import refresh_step
 from kvjax.errors import BudgetError, InputError
 from kvjax.serve import batch_steps as ss
 from kvjax.serve.memory import DeviceMemory, device_stats_peak
@@ -69,6 +70,7 @@ class _Live:
     prompt_len: int
     tail_bytes: int
     out: list
+    rounds: int = 0  # verifications so far (a refreshing draft re-selects every `period`-th)
 
     @property
     def need(self) -> int:
@@ -264,10 +266,16 @@ class VeriCacheScheduler:
         cfg, params = self.model.config, self.model.params
         fam = self.model.family
         row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s), family=fam)
-        emitted, n, tail, row, _, scratch = verify_mod.verify_offloaded(
+        emitted, n, tail, row, _, aux, scratch = verify_mod.verify_offloaded(
             params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
             row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
             temperature=self.temperature, family=fam, impl=self.model.attention)
+        spec = getattr(self.batch, "refresh", None)
+        r.rounds += 1
+        if spec is not None and r.rounds % spec.period == 0:
+            # re-select from the full cache just fetched for the verification: no extra transfer
+            row = refresh_step(row, scratch, aux, family=fam)
+            self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
         del scratch
@@ -374,6 +382,8 @@ class VeriCacheScheduler:
         prompt_len = int(full.length[0])
         del full
         s = next(i for i in range(self.n_slots) if i not in self.live)
+        if getattr(row, "refresh", None) is not None:  # one static refresh shape per batch: the slots'
+            row = dataclasses.replace(row, refresh=self.batch.refresh)
         self.batch = ss.put_slot_row(self.batch, ss.pad_row(row, self.batch), np.int32(s))
         del row
         r = _Live(idx=idx, req=req, slot=s, host_kv=host_kv, tail=tail, length=prompt_len, prompt_len=prompt_len,

@@ -131,7 +131,7 @@ def test_bundled_model_full_draft_and_verify_pallas_interpret_match_xla(checkpoi
         drafts, _, dc = draft.draft_step(m.params, m.config, dc, first, seed, x=3, family=m.family, impl=m.attention)
         drafts = jnp.asarray(got["xla"][1]) if impl != "xla" else drafts  # verify the same block in both
         qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
-        _, _, _, _, vlog = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
+        _, _, _, _, vlog, _ = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
                                               family=m.family, impl=m.attention)
         got[impl] = (np.asarray(logits), np.asarray(drafts), np.asarray(vlog))
     for a, b in zip(got["pallas_interpret"], got["xla"]):

@@ -18,8 +18,9 @@ from kvjax.models.deepseek_v4.model import forward
 
 def verify_forward(params, config: DeepseekV4Config, cache: HybridCache, tokens, n_valid, *,
                    implementation: str | None = None):
-    """(logits f32[B, T, V], cache advanced by n_valid) — the forward VeriCache and the reference decoder share."""
-    return forward(params, config, cache, tokens, n_valid, implementation=implementation)
+    """(logits f32[B, T, V], cache advanced by n_valid, None) — the forward VeriCache and the reference decoder
+    share (DeepSeek-V4 hands out nothing besides)."""
+    return (*forward(params, config, cache, tokens, n_valid, implementation=implementation), None)
 
 
 def commit(params, config: DeepseekV4Config, before: HybridCache, after: HybridCache, tokens, keep_len: jax.Array, *,

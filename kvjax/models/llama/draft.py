@@ -44,7 +44,7 @@ def draft_forward(params, config: ModelConfig, cache: DraftCache, tokens: jax.Ar
         return out, dataclasses.replace(dl, recent=recent), None
 
     h, layers, _ = decoder_stack(params, config, tokens, positions, cache.layers, attend)
-    return lm_head(params, config, h), DraftCache(layers=layers, length=cache.length + n_valid)
+    return lm_head(params, config, h), dataclasses.replace(cache, layers=layers, length=cache.length + n_valid)
 
 
 def layer_rows(form, start: jax.Array, T: int):

@@ -16,24 +16,24 @@ back), which requires x + 1 <= W (`check_draft_len`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.errors import InputError
-from kvjax.models.attention import canonical_attention
 from kvjax.models.layer_types import FULL
 from kvjax.models.llama.config import ModelConfig
-from kvjax.models.llama.model import forward
 
 
 def verify_forward(params, config: ModelConfig, cache: ModelCache, tokens, n_valid, *,
                    implementation: str | None = None):
-    """The verify-shape forward shared by VeriCache and its reference decoder: (logits f32[B, T, V], new cache)."""
-    attn = functools.partial(canonical_attention, implementation=implementation)
-    return forward(params, config, cache, tokens, n_valid, attention_fn=attn)
+    """The verify-shape forward shared by VeriCache and its reference decoder: (logits f32[B, T, V], new cache, aux)
+    — aux: two verify rows' queries per layer, what a refreshing draft scores the cache with
+    (`refresh.verify_with_queries`)."""
+    from kvjax.models.llama.refresh import verify_with_queries  # noqa: PLC0415 - it imports this module's neighbours
+
+    return verify_with_queries(params, config, cache, tokens, n_valid, implementation=implementation)
 
 
 def _rollback(old, new, keep_len: jax.Array):

@@ -1,0 +1,133 @@
+"""The refreshing drafter ("refresh"): after verifications, re-select the draft's prompt part from the attention the
+verify rows themselves put on the full cache, so the draft follows what the decode attends to.
+
+Published forms of the idea: PillarAttn in SparseSpec (arXiv 2512.01278: the verify pass's softmax weights averaged
+over the GQA group and the verify rows, top-k tokens per (layer, KV head) become the next draft's sparse set), Vegas
+(arXiv 2602.07223: the first and last verify rows' scores, top 5% plus the newest tokens), TriForce's chunks
+(arXiv 2404.11912: fixed-size chunks scored as one).
+
+Here, per full-attention layer and KV head, the full cache is cut into blocks of `block` tokens; a block's score is
+the softmax mass the queries of the verify rows put on it (the first and the last: Vegas), summed over the GQA group
+and the rows. The draft keeps the top blocks within the same static budget as every other drafter (a
+`ratio`-th of the prompt), always with the first `sink_blocks` blocks and the `recent_blocks` blocks just before the
+tokens the draft's recent ring holds exactly. Budget, block size, rows and refresh period are static; selection is a
+`top_k`; nothing recompiles. The verify forward hands out its rows' queries (every verify-shape program does, so
+verification stays bit-identical to the reference decoder), a separate jitted step scores the full cache with them
+and gathers the new selection from the full cache the verify just read — in offloaded mode from the fetched copy,
+with no extra transfer. Before the first verification the selection is made the same way from the last `obs_window` prompt
+tokens' queries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.dense import DenseKV, ModelCache
+from kvjax.cache.draft import DraftCache, SparseKV
+from kvjax.compress.base import Compressor, gather_tokens
+from kvjax.models.attention_scores import block_mass  # noqa: F401 - part of this drafter's interface
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RefreshSpec:
+    """The static shape of a refreshing draft: its block size and budget, where it scores, how often it refreshes."""
+
+    block: int
+    budget_blocks: int
+    sink_blocks: int
+    recent_blocks: int
+    period: int
+
+    @property
+    def budget(self) -> int:
+        return self.block * self.budget_blocks
+
+
+def select_blocks(mass: jax.Array, end: jax.Array, spec: RefreshSpec) -> jax.Array:
+    """Token positions i32[B, K, budget] of the top blocks among blocks wholly or partly below `end[b]` (ascending;
+    -1 where a block reaches past `end` or fewer blocks exist), sinks and the blocks just before `end` forced in."""
+    B, K, nb = mass.shape
+    P = spec.block
+    b = jnp.arange(nb)[None, None, :]
+    n_end = ((end + P - 1) // P)[:, None, None]  # blocks touching [0, end)
+    forced = (b < spec.sink_blocks) | ((b >= n_end - spec.recent_blocks) & (b < n_end))
+    score = jnp.where(b < n_end, jnp.where(forced, jnp.inf, mass), -jnp.inf)
+    kb = min(spec.budget_blocks, nb)
+    vals, idx = jax.lax.top_k(score, kb)
+    idx = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb + 1), axis=-1)  # ascending: neighbours stay together
+    pos = idx[..., None] * P + jnp.arange(P)[None, None, None, :]  # [B, K, kb, P]
+    pos = jnp.where((idx[..., None] <= nb) & (pos < end[:, None, None, None]), pos, -1).reshape(B, K, kb * P)
+    if kb * P < spec.budget:
+        pos = jnp.pad(pos, ((0, 0), (0, 0), (0, spec.budget - kb * P)), constant_values=-1)
+    return pos.astype(jnp.int32)
+
+
+def _ring_start(ring_pos: jax.Array, length: jax.Array) -> jax.Array:
+    """The first position the recent ring holds exactly ([B]); `length` when it holds none."""
+    held = jnp.where(ring_pos >= 0, ring_pos, jnp.iinfo(jnp.int32).max)
+    return jnp.minimum(jnp.min(held, axis=1), length)
+
+
+def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec) -> DraftCache:
+    """The draft with every full-attention layer's prompt part re-selected from the block masses the verify rows'
+    queries (`aux`, from the verify forward) put on the committed full cache, and gathered from it; rings, sliding
+    layers and the length are left as they are."""
+    from kvjax.models.llama.refresh import refresh_masses  # noqa: PLC0415 - models sit below compress
+
+    masses = refresh_masses(full, aux, block=spec.block)
+    layers = []
+    for dl, form, mass in zip(draft.layers, full.layers, masses):
+        if mass is None or not isinstance(form, DenseKV):
+            layers.append(dl)
+            continue
+        end = _ring_start(dl.recent.pos, draft.length)
+        pos = select_blocks(mass, end, spec)
+        part = SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
+        layers.append(dataclasses.replace(dl, parts=(part,)))
+    return dataclasses.replace(draft, layers=tuple(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Refresh(Compressor):
+    """The refreshing drafter (see the module docstring).
+
+    Attributes:
+        ratio: prompt tokens / kept tokens (the same static budget as the other drafters).
+        block: tokens per scored block; sink_blocks / recent_blocks: always kept.
+        period: refresh after every `period`-th verification.
+        obs_window: prompt tokens whose queries make the first selection.
+    """
+
+    block: int = 16
+    sink_blocks: int = 1
+    recent_blocks: int = 4
+    period: int = 1
+    obs_window: int = 16
+    name: str = dataclasses.field(default="refresh", init=False)
+
+    def spec(self, prompt_len: int) -> RefreshSpec:
+        budget_blocks = max(self.sink_blocks + self.recent_blocks + 1, -(-self.budget(prompt_len) // self.block))
+        return RefreshSpec(block=self.block, budget_blocks=budget_blocks, sink_blocks=self.sink_blocks,
+                           recent_blocks=self.recent_blocks, period=self.period)
+
+    def prepare(self, params, config, full, prompt):
+        from kvjax.models.llama.refresh import prompt_block_masses  # noqa: PLC0415 - models sit below compress
+
+        L = int(full.length[0])
+        w = min(self.obs_window, L)
+        spec = self.spec(L)
+        toks = jnp.asarray(prompt[L - w:L], jnp.int32)[None, :]
+        return {"masses": prompt_block_masses(params, config, full, toks, jnp.asarray([L - w], jnp.int32),
+                                              block=spec.block), "spec": spec}
+
+    def layer_parts(self, i, form, length, prompt_len, data):
+        pos = select_blocks(data["masses"][i], length, data["spec"])
+        return (SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos),)
+
+    def __call__(self, params, config, full, prompt, *, recent_slots: int) -> DraftCache:
+        draft = super().__call__(params, config, full, prompt, recent_slots=recent_slots)
+        return dataclasses.replace(draft, refresh=self.spec(int(full.length[0])))

@@ -1,0 +1,103 @@
+"""Choosing the draft length x per round, from a small static set (each x compiles once).
+
+Two policies:
+- `GrowShrink`: grow after a fully accepted round, shrink when under half was accepted (the first adaptive rule).
+- `CostModel`: the VeriCache paper's ideal-speedup reasoning applied per request, online. From the rounds so far it
+  estimates the chance `a_i` that draft i is accepted given drafts 0..i-1 were (a Beta(1, 1)-smoothed ratio per
+  depth; depths never reached borrow the deepest estimate), the time of one draft token `d` and of one verification
+  `v(x)` (exponential averages of the measured phases, a length's first round left out: it includes the compile; a
+  length not timed yet takes the nearest one's time). A round of
+  x drafts then emits `E(x) = 1 + sum_{j<=x} prod_{i<j} a_i` tokens on average and costs `x d + v(x)`; the next
+  round uses the x with the most predicted tokens per second. When acceptance is low, short drafts (2, 4) win; when
+  it is high, long ones — "A Sparse Glimpse of the Whole" (arXiv 2607.27735) makes the same point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_SET = (2, 4, 8, 16, 32)
+
+
+class GrowShrink:
+    """Grow after a fully accepted round, shrink when under half was accepted."""
+
+    def __init__(self, xs: tuple[int, ...]):
+        self.xs = tuple(sorted(xs))
+
+    def next(self, x: int, accepted: int, draft_s: float, verify_s: float) -> int:
+        i = self.xs.index(x)
+        if accepted == x and i + 1 < len(self.xs):
+            return self.xs[i + 1]
+        if accepted < x // 2 and i > 0:
+            return self.xs[i - 1]
+        return x
+
+
+class CostModel:
+    """Pick the x of the static set with the most predicted tokens per second (see the module docstring).
+
+    Args:
+        xs: the static set of draft lengths.
+        decay: weight of the newest measurement in the time averages.
+    """
+
+    def __init__(self, xs: tuple[int, ...], decay: float = 0.3):
+        self.xs = tuple(sorted(xs))
+        self.decay = decay
+        depth = self.xs[-1]
+        self.hits = np.zeros(depth)
+        self.trials = np.zeros(depth)
+        self.draft_token_s: float | None = None
+        self.verify_s: dict[int, float] = {}
+        self.compiled: set[int] = set()  # lengths run once: their first round's times include the compile
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.decay) * old + self.decay * new
+
+    def observe(self, x: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Record one round: x drafts, `accepted` of them accepted, its measured draft and verify times."""
+        self.hits[:accepted] += 1
+        self.trials[:min(accepted + 1, x)] += 1
+        if x not in self.compiled:
+            self.compiled.add(x)
+            return
+        self.draft_token_s = self._ema(self.draft_token_s, draft_s / max(x, 1))
+        self.verify_s[x] = self._ema(self.verify_s.get(x), verify_s)
+
+    def acceptance(self) -> np.ndarray:
+        """a_i per depth: Beta(1, 1)-smoothed hits / trials; depths never tried take the deepest tried one's."""
+        a = (self.hits + 1) / (self.trials + 2)
+        tried = np.nonzero(self.trials)[0]
+        if tried.size:
+            a[tried[-1] + 1:] = a[tried[-1]]
+        return a
+
+    def expected_emitted(self, x: int) -> float:
+        """E(x) = 1 + sum over j <= x of the chance that drafts 1..j are all accepted."""
+        return 1.0 + float(np.sum(np.cumprod(self.acceptance()[:x])))
+
+    def _verify_time(self, x: int) -> float:
+        if x in self.verify_s:
+            return self.verify_s[x]
+        seen = sorted(self.verify_s)
+        return self.verify_s[min(seen, key=lambda s: abs(s - x))]
+
+    def predicted_tokens_per_s(self, x: int) -> float:
+        return self.expected_emitted(x) / (x * self.draft_token_s + self._verify_time(x))
+
+    def next(self, x: int, accepted: int, draft_s: float, verify_s: float) -> int:
+        """Record the round just run and return the x of the next one (the same x until one timing is measured)."""
+        self.observe(x, accepted, draft_s, verify_s)
+        if self.draft_token_s is None:
+            return x
+        return max(self.xs, key=self.predicted_tokens_per_s)
+
+
+def make_policy(name: str, xs: tuple[int, ...]):
+    """'cost' (default) or 'grow_shrink' over the static set `xs`."""
+    if name == "cost":
+        return CostModel(xs)
+    if name == "grow_shrink":
+        return GrowShrink(xs)
+    raise ValueError(f"adaptive policy must be 'cost' or 'grow_shrink', got {name!r}")

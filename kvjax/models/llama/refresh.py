@@ -1,0 +1,71 @@
+"""Where the refreshing drafter's scores come from, for the Llama family: the verify rows' own queries.
+
+The verify-shape forward (`verify.verify_forward`) hands out, per full-attention layer, the queries of two of its
+rows (the first and the last); every program that runs the verify shape — VeriCache's verifications, refreshing or
+not, and the reference decoder — outputs them, so the program, and with it every bit of every logit, is the same with
+and without a refreshing draft (measured: scoring inside the verify's program moved its logits in the last bits;
+XLA fused the queries' computation differently once they had a second use). `refresh_selection` then scores the
+committed full cache with those queries, in its own jitted call, and the drafter re-gathers its blocks.
+`prompt_block_masses` scores the prompt from its last tokens' queries, for the first selection.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
+from kvjax.models.attention import attention, canonical_attention
+from kvjax.models.attention_scores import block_mass
+from kvjax.models.llama.config import ModelConfig
+from kvjax.models.llama.layers import decoder_stack, lm_head
+from kvjax.models.llama.model import _attend_layer
+
+QUERY_ROWS = (0, -1)  # the verify rows whose queries score: the last emitted token and the last draft (Vegas)
+
+
+def verify_with_queries(params, config: ModelConfig, cache: ModelCache, tokens, n_valid, *,
+                        implementation: str | None = None):
+    """The verify-shape forward: (logits f32[B, T, V], new cache, (queries: per layer f32[B, 2, N, D] of rows
+    QUERY_ROWS or None for sliding layers, their positions i32[B, 2]))."""
+    B, T = tokens.shape
+    positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    attn = functools.partial(canonical_attention, implementation=implementation)
+    r = jnp.asarray([j % T for j in QUERY_ROWS], jnp.int32)
+
+    def attend(i, form, q, k, v):
+        out, new = _attend_layer(form, q, k, v, positions, n_valid, attn)
+        return out, new, (q[:, r] if isinstance(new, DenseKV) else None)
+
+    h, layers, queries = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    return (lm_head(params, config, h), ModelCache(layers=layers, length=cache.length + n_valid),
+            (queries, positions[:, r]))
+
+
+def refresh_masses(full: ModelCache, aux, *, block: int) -> tuple:
+    """Per layer block mass f32[B, K, S // block] (None for sliding layers) the verify rows' queries put on the
+    committed full cache."""
+    queries, q_pos = aux
+    return tuple(None if q is None or not isinstance(f, DenseKV) else
+                 block_mass(q, f.k, q_pos, f.key_positions(), block) for q, f in zip(queries, full.layers))
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def prompt_block_masses(params, config: ModelConfig, cache: ModelCache, tokens: jax.Array, start: jax.Array, *,
+                        block: int):
+    """Per layer block mass f32[B, K, S // block] (None for sliding layers) that prompt tokens i32[B, T] at positions
+    start + t put on the prefilled cache (which already holds them; it is read, never written)."""
+    T = tokens.shape[1]
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+    def attend(i, form, q, k, v):
+        if isinstance(form, WindowKV):
+            return attention(q, form.k, form.v, positions, form.slot_positions(), window=form.window), form, None
+        kpos = form.key_positions()
+        out = attention(q, form.k, form.v, positions, kpos)
+        return out, form, block_mass(q, form.k, positions, kpos, block)
+
+    _, _, masses = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    return masses

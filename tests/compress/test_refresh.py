@@ -1,0 +1,103 @@
+"""The refreshing drafter: exact (tokens and logits equal the reference, resident and offloaded, greedy and sampled),
+its scores come from the verify pass without changing it, the selection follows the static budget and really moves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.compress.refresh import Refresh, RefreshSpec, select_blocks
+from kvjax.decode import steps, verify
+from kvjax.decode.refresh import refresh_step
+
+
+def _prompt(n=120, seed=0):
+    return np.random.default_rng(seed).integers(0, 97, n).astype(np.int32)
+
+
+KW = dict(ratio=4.0, block=8, recent_blocks=2, obs_window=8)
+
+
+@pytest.mark.parametrize("name,offload,temperature,period", [
+    ("llama", False, 0.0, 1), ("llama", True, 0.8, 1), ("qwen2", False, 0.0, 2), ("mistral", True, 0.0, 1)])
+def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
+    m = kvjax.load(hf_model_dir(name)[1])
+    p = _prompt(seed=1)
+    ref, ref_lg = kvjax.reference_decode(m, p, 24, draft_len=4, temperature=temperature, seed=2, return_logits=True)
+    out, st, lg = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=dict(KW, period=period),
+                                           draft_len=4, offload=offload, temperature=temperature, seed=2,
+                                           ignore_eos=True, return_logits=True)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(lg, ref_lg)
+    assert st["verifications"] >= 24 / 5
+    if name != "mistral":  # mistral's layers are all sliding: its draft is its rings, nothing to select
+        assert 0 < st["draft_bytes_ratio"] < 1
+
+
+def test_the_verify_hands_out_its_rows_queries_and_they_score_the_cache(hf_model_dir):
+    from kvjax.models.llama.refresh import refresh_masses
+
+    m = kvjax.load(hf_model_dir("qwen2")[1])
+    cache = m.family.init_cache(m.config, 1, 256, m.cache_dtype)
+    _, cache = steps.prefill(m, cache, _prompt(60))
+    toks = jnp.asarray([[5, 9, 11, 2, 7]], jnp.int32)
+    logits, after, aux = jax.jit(lambda c: m.family.verify_forward(m.params, m.config, c, toks,
+                                                                   jnp.asarray([5], jnp.int32)))(cache)
+    queries, q_pos = aux
+    np.testing.assert_array_equal(np.asarray(q_pos), [[60, 64]])  # the first and the last verify row
+    masses = [x for x in refresh_masses(after, aux, block=8) if x is not None]
+    assert masses and all(x.shape == (1, m.config.num_kv_heads, 256 // 8) for x in masses)
+    for x in masses:  # two rows, each a distribution over the visible keys, summed over the query group
+        np.testing.assert_allclose(np.asarray(x).sum(-1), 2 * m.config.num_heads // m.config.num_kv_heads,
+                                   rtol=1e-4)
+
+
+def test_select_blocks_respects_budget_sinks_recent_and_the_ring():
+    spec = RefreshSpec(block=4, budget_blocks=4, sink_blocks=1, recent_blocks=1, period=1)
+    mass = jnp.asarray([[[0.0, 0.1, 5.0, 0.2, 3.0, 0.3, 9.0, 0.0]]])  # [B=1, K=1, 8 blocks]
+    pos = np.asarray(select_blocks(mass, jnp.asarray([22]), spec))[0, 0]  # tokens 0..21 are candidates
+    blocks = sorted({p // 4 for p in pos if p >= 0})
+    assert blocks == [0, 2, 4, 5]  # sink 0, the two best below the end (2, 4), the block holding token 21 (5)
+    assert pos.size == 16 and (pos < 22).all() and (pos[pos >= 0] == np.sort(pos[pos >= 0])).all()
+    assert (pos == -1).sum() == 2  # block 5 holds tokens 20..23; 22 and 23 are the ring's
+
+
+def test_the_selection_moves_with_the_decode(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt(160, seed=3)
+    full, first = kvjax.decode.vericache.prefill_for(m, p, 16, max_draft=4)
+    dc = Refresh(**KW)(m.params, m.config, full, p, recent_slots=32)
+    before = [np.asarray(l.parts[0].pos) for l in dc.layers]
+    seed = jnp.zeros((1,), jnp.int32)
+    drafts, _, dc = kvjax.decode.draft.draft_step(m.params, m.config, dc, first, seed, x=4, family=m.family,
+                                                  impl=m.attention)
+    qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
+    _, _, full, dc, _, aux = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
+                                                family=m.family, impl=m.attention)
+    dc = refresh_step(dc, full, aux, family=m.family)
+    after = [np.asarray(l.parts[0].pos) for l in dc.layers]
+    assert all(a.shape == b.shape for a, b in zip(after, before))  # static budget
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))  # re-selected
+
+
+def test_refresh_compiles_nothing_after_warm_up(hf_model_dir, compile_count):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    for n in (12, 20):
+        kvjax.generate_vericache(m, _prompt(seed=4), n, compressor="refresh", compressor_kw=dict(KW, period=2),
+                                 draft_len=3, ignore_eos=True)
+        if n == 12:
+            warm = (compile_count(verify.verify_step), compile_count(refresh_step))
+    assert (compile_count(verify.verify_step), compile_count(refresh_step)) == warm
+
+
+def test_refresh_in_the_scheduler_is_exact(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    prompts = [_prompt(140, seed=6), _prompt(100, seed=7), _prompt(120, seed=8)]
+    outs = kvjax.generate_vericache(m, prompts, 16, compressor="refresh", compressor_kw=KW, draft_len=4,
+                                    ignore_eos=True)
+    for p, (t, st) in zip(prompts, outs):
+        np.testing.assert_array_equal(t, kvjax.reference_decode(m, p, 16, draft_len=4))
+        assert st["compressor"] == "refresh"

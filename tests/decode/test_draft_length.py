@@ -1,0 +1,53 @@
+"""Choosing x per round: the cost model estimates per-depth acceptance and phase times and picks the x with the most
+predicted tokens per second; adaptive runs stay exact."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvjax
+from kvjax.decode.draft_length import CostModel, GrowShrink
+
+
+def _feed(model, rounds, x, accept_prob, draft_token_s, verify_s, rng):
+    for _ in range(rounds):
+        n = 0
+        while n < x and rng.random() < accept_prob:
+            n += 1
+        model.next(x, n, x * draft_token_s, verify_s)
+
+
+def test_cost_model_prefers_long_drafts_when_they_are_accepted_and_short_ones_when_not():
+    rng = np.random.default_rng(0)
+    xs = (2, 4, 8, 16, 32)
+    high, low = CostModel(xs), CostModel(xs)
+    _feed(high, 40, 8, 0.97, 1e-3, 8e-3, rng)
+    _feed(low, 40, 8, 0.3, 1e-3, 8e-3, rng)
+    assert high.next(8, 8, 8e-3, 8e-3) >= 16
+    assert low.next(8, 0, 8e-3, 8e-3) <= 4
+    a = low.acceptance()
+    assert abs(a[0] - 0.3) < 0.1 and a.shape == (32,)
+
+
+def test_cost_model_ignores_the_compiling_round_and_expected_emitted_is_monotone():
+    m = CostModel((2, 4, 8))
+    assert m.next(4, 4, 100.0, 100.0) == 4  # first round of x = 4: compile time, not a measurement
+    assert m.draft_token_s is None
+    m.next(4, 4, 4e-3, 5e-3)
+    e = [m.expected_emitted(x) for x in (2, 4, 8)]
+    assert e == sorted(e) and 1 < e[0] <= 3
+
+
+def test_grow_shrink_rule():
+    g = GrowShrink((2, 4, 8))
+    assert g.next(4, 4, 0, 0) == 8 and g.next(4, 1, 0, 0) == 2 and g.next(8, 8, 0, 0) == 8
+
+
+def test_adaptive_cost_policy_is_exact(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = np.random.default_rng(5).integers(0, 97, 64).astype(np.int32)
+    ref = kvjax.reference_decode(m, p, 30, draft_len=4, max_draft=8)
+    out, st = kvjax.generate_vericache(m, p, 30, compressor="kivi4", draft_len=4, adaptive=(2, 4, 8),
+                                       adaptive_policy="cost", compressor_kw={"residual": 16}, ignore_eos=True)
+    np.testing.assert_array_equal(out, ref)
+    assert set(st["draft_lengths"]) <= {2, 4, 8}
