@@ -45,7 +45,23 @@ COMPRESSORS = {
     "kivi4": dict(residual=128),
     "kivi2": dict(residual=128),
     "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
+    "refresh": dict(ratio=4.0),
 }
+
+
+def parse_compressor(spec: str) -> tuple[str, dict]:
+    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2') -> (name, fields)
+    over this benchmark's defaults for that name."""
+    name, *fields = spec.split(":")
+    if name not in COMPRESSORS:
+        raise SystemExit(f"bench_vericache: error: unknown compressor {name!r}; expected one of {sorted(COMPRESSORS)}")
+    kw = dict(COMPRESSORS[name])
+    for f in fields:
+        key, eq, value = f.partition("=")
+        if not eq:
+            raise SystemExit(f"bench_vericache: error: {f!r} in {spec!r} is not field=value")
+        kw[key] = float(value) if "." in value else int(value)
+    return name, kw
 
 
 
@@ -108,7 +124,10 @@ def main(argv=None):
     prompts, source = bench_prompts(model, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
-    comps = {c: model.family.make_compressor(c, **COMPRESSORS[c]) for c in names}
+    comps = {}
+    for c in names:
+        name, fields = parse_compressor(c)
+        comps[c] = model.family.make_compressor(name, **fields)
     print(f"[bench] prompts: {len(prompts)} x {P} tokens ({source}); new tokens {M}; x = {x}; "
           f"capacity {vc.capacity_for(P, M, xmax)}; devices {jax.devices()}")
 
@@ -198,13 +217,15 @@ def main(argv=None):
                        draft_bytes_ratio=mean("draft_bytes_ratio"), verifications=mean("verifications"),
                        mean_draft_round_s=mean("mean_draft_step_s"), mean_verify_s=mean("mean_verify_s"),
                        mean_transfer_s=mean("mean_transfer_s"), mean_x=mean("mean_x"),
+                       mean_refresh_s=float(np.mean([s["refresh_s"] / max(s["verifications"], 1) for s in S])),
                        compress_s=float(np.mean(compress_s[c])), device_read_bytes_per_token=mean("device_read_bytes_per_token"),
                        h2d_bytes_per_token=mean("h2d_bytes_per_token"), device_peak_bytes=mean("device_peak_bytes"),
                        device_resident_bytes=mean("device_resident_bytes"),
                        accepted_histogram=np.sum([np.pad(s["accepted_histogram"], (0, 64 - len(s["accepted_histogram"])))
                                                   for s in S], axis=0).tolist())
             # ideal: per-phase costs and acceptance alone, no host overhead: emitted per round / round time
-            t_round = rec["mean_draft_round_s"] + rec["mean_verify_s"] + rec["mean_transfer_s"]
+            t_round = rec["mean_draft_round_s"] + rec["mean_verify_s"] + rec["mean_transfer_s"] + rec["mean_refresh_s"]
+            rec["refresh_fraction_of_round"] = rec["mean_refresh_s"] / t_round
             ideal_tps = (rec["mean_accepted_per_round"] + 1) / t_round
             rec["ideal_speedup"] = ideal_tps / full_tps
             rec["achieved_fraction_of_ideal"] = rec["speedup_vs_full"] / rec["ideal_speedup"]
@@ -220,16 +241,16 @@ def main(argv=None):
                records=records)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
-    hdr = f"{'contender':28s} {'tok/s':>8s} {'speedup':>8s} {'ident':>6s} {'match':>6s} {'acc/rd':>7s} " \
-          f"{'bytes':>6s} {'ideal':>6s} {'achv':>5s}  per-round draft/verify/transfer ms"
+    hdr = f"{'contender':40s} {'tok/s':>8s} {'speedup':>8s} {'ident':>6s} {'match':>6s} {'acc/rd':>7s} " \
+          f"{'bytes':>6s} {'ideal':>6s} {'achv':>5s}  per-round draft/verify/transfer/refresh ms"
     print(hdr)
     for r in records:
         f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
         phases = ""
         if r.get("mean_verify_s") is not None:
             phases = f"{1e3 * r['mean_draft_round_s']:.1f}/{1e3 * r['mean_verify_s']:.1f}/" \
-                     f"{1e3 * r['mean_transfer_s']:.1f}"
-        print(f"{r['name']:28s} {r['tokens_per_s']:8.1f} {r['speedup_vs_full']:8.2f} {r['identical_fraction']:6.2f} "
+                     f"{1e3 * r['mean_transfer_s']:.1f}/{1e3 * r['mean_refresh_s']:.1f}"
+        print(f"{r['name']:40s} {r['tokens_per_s']:8.1f} {r['speedup_vs_full']:8.2f} {r['identical_fraction']:6.2f} "
               f"{r['token_match_fraction']:6.3f} {f(r['mean_accepted_per_round'], '%7.2f'):>7s} "
               f"{f(r['draft_bytes_ratio'], '%6.3f'):>6s} {f(r.get('ideal_speedup'), '%6.2f'):>6s} "
               f"{f(r.get('achieved_fraction_of_ideal'), '%5.2f'):>5s}  {phases}")

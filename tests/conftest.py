@@ -11,6 +11,24 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module.
+
+    XLA:CPU maps memory for each executable it loads; a single process that runs the whole suite keeps thousands of
+    them (every module builds its own tiny models and shapes) and reached the kernel's limit on memory mappings
+    (vm.max_map_count, 65,530 by default): the next compile died with a segmentation fault. Modules do not share
+    programs, so releasing them between modules costs no recompiles within a module.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
 
