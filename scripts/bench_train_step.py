@@ -4,7 +4,7 @@
 
 "old" is the step of the previous scripts/train_tiny.py: `jax.jit` of value_and_grad through the decode-time
 forward (`llama.forward_train`: cache writes, the attention dispatcher), log-softmax loss, loss fetched to the
-host every step, no donation. "new" is `kvjax.training.step.make_train_step`: dense causal attention, the loss
+host every step, no donation. "new" is `kvjax.training.step.make_train_step`: dense causal attention (or blocked, `--attention-block`), the loss
 from logsumexp, gradient accumulation over micro-batches of `--micro` tokens, params/optimizer state donated,
 the loss fetched once per round. Each round times `--steps` steps of each contender after a compile+warm-up step;
 the report is tokens/s per contender (median over rounds), effective GFLOP/s and the new/old ratio, as JSON.
@@ -13,6 +13,7 @@ the report is tokens/s per contender (median over rounds), effective GFLOP/s and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import optax
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvjax.models import llama  # noqa: E402
+from kvjax.training.forward import next_token_loss  # noqa: E402
 from kvjax.training.flops import train_flops_per_token  # noqa: E402
 from kvjax.training.model_config import tiny_llama_config  # noqa: E402
 from kvjax.training.step import make_optimizer, make_train_step  # noqa: E402
@@ -51,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--micro", type=int, default=0, help="tokens per micro-batch of the new step (0: no split)")
+    ap.add_argument("--attention-block", type=int, default=0,
+                    help="query block of the new step's blocked causal attention (0: dense)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per contender per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only-new", action="store_true", help="skip the old step (e.g. shapes it cannot fit)")
@@ -72,7 +76,7 @@ def main(argv=None):
         return p, opt.init(p)
 
     contenders = {}
-    new = make_train_step(cfg, opt)
+    new = make_train_step(cfg, opt, functools.partial(next_token_loss, attention_block=args.attention_block))
     new_batch = jnp.asarray(data.reshape(batch // micro, micro, T + 1))
     contenders["new"] = [new, *fresh(), new_batch, True]
     if not args.only_new:
@@ -95,7 +99,7 @@ def main(argv=None):
             times[k].append((time.perf_counter() - t0) / args.steps)
             c[1], c[2] = p, s
     flops = train_flops_per_token(cfg, T)
-    out = dict(context=T, tokens_per_step=tokens, micro_windows=micro, steps=args.steps, rounds=args.rounds,
+    out = dict(context=T, tokens_per_step=tokens, micro_windows=micro, attention_block=args.attention_block, steps=args.steps, rounds=args.rounds,
                load_avg=os.getloadavg())
     for k, ts in times.items():
         s = float(np.median(ts))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import signal
@@ -63,7 +64,7 @@ def build_model(args, vocab: int, eos: int, context: int):
         cfg = tiny_llama_config(context=context, vocab=vocab, eos=eos, hidden=args.hidden,
                                 intermediate=args.intermediate, layers=args.layers, heads=args.heads,
                                 kv_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta)
-        return cfg, llama.init_params, next_token_loss
+        return cfg, llama.init_params, functools.partial(next_token_loss, attention_block=args.attention_block)
     from kvjax.models import deepseek_v4
 
     cfg = deepseek_v4.config_for_training(vocab=vocab, eos=eos, **json.loads(args.hybrid_config or "{}"))
@@ -119,6 +120,8 @@ def parse_args(argv):
     ap.add_argument("--phases", default="512:3M,2048:600k,4096:400k", help="CONTEXT:TOKENS,... in order")
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--micro-tokens", type=int, default=2048, help="tokens per accumulated micro-batch")
+    ap.add_argument("--attention-block", type=int, default=1024,
+                    help="windows longer than this attend in causal query blocks of this size (0: always dense)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)

@@ -111,3 +111,16 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
 def test_restore_without_state_names_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no training state"):
         train_state.restore_state(str(tmp_path), {})
+
+
+def test_blocked_causal_attention_equals_dense_with_gradients():
+    from kvjax.training.forward import blocked_causal_attention, causal_attention
+
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(2, 40, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32)
+    np.testing.assert_allclose(blocked_causal_attention(q, k, v, 16), causal_attention(q, k, v), atol=1e-5)
+    gd = jax.grad(lambda a: jnp.sum(causal_attention(a, k, v) ** 2))(q)
+    gb = jax.grad(lambda a: jnp.sum(blocked_causal_attention(a, k, v, 16) ** 2))(q)
+    np.testing.assert_allclose(gb, gd, atol=1e-4)
