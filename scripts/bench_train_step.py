@@ -76,7 +76,8 @@ def main(argv=None):
         return p, opt.init(p)
 
     contenders = {}
-    new = make_train_step(cfg, opt, functools.partial(next_token_loss, attention_block=args.attention_block))
+    new = make_train_step(cfg, opt, functools.partial(next_token_loss, attention_block=args.attention_block,
+                                                    dense_up_to=0))
     new_batch = jnp.asarray(data.reshape(batch // micro, micro, T + 1))
     contenders["new"] = [new, *fresh(), new_batch, True]
     if not args.only_new:

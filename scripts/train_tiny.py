@@ -1,7 +1,7 @@
 """Train the small bundled code model, resumably, in context-length phases; then evaluate and export it.
 
     python scripts/train_tiny.py --out checkpoints/kvjax-code-tiny-v2-work \
-        --phases 512:3M,2048:600k,4096:400k --save-every 20
+        --phases 512:3M,2048:300k,4096:200k --save-every 20
     python scripts/train_tiny.py --out checkpoints/kvjax-code-tiny-v2-work --resume ...   # same flags: continue
     python scripts/train_tiny.py --out DIR --resume --export-to checkpoints/kvjax-code-tiny --train-steps 0
 
@@ -64,7 +64,8 @@ def build_model(args, vocab: int, eos: int, context: int):
         cfg = tiny_llama_config(context=context, vocab=vocab, eos=eos, hidden=args.hidden,
                                 intermediate=args.intermediate, layers=args.layers, heads=args.heads,
                                 kv_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta)
-        return cfg, llama.init_params, functools.partial(next_token_loss, attention_block=args.attention_block)
+        return cfg, llama.init_params, functools.partial(next_token_loss, attention_block=args.attention_block,
+                                                              dense_up_to=args.dense_up_to)
     from kvjax.models import deepseek_v4
 
     cfg = deepseek_v4.config_for_training(vocab=vocab, eos=eos, **json.loads(args.hybrid_config or "{}"))
@@ -117,11 +118,12 @@ def parse_args(argv):
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--phases", default="512:3M,2048:600k,4096:400k", help="CONTEXT:TOKENS,... in order")
+    ap.add_argument("--phases", default="512:3M,2048:300k,4096:200k", help="CONTEXT:TOKENS,... in order")
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--micro-tokens", type=int, default=2048, help="tokens per accumulated micro-batch")
-    ap.add_argument("--attention-block", type=int, default=1024,
-                    help="windows longer than this attend in causal query blocks of this size (0: always dense)")
+    ap.add_argument("--attention-block", type=int, default=256,
+                    help="query block of the blocked causal attention of windows over --dense-up-to (0: dense)")
+    ap.add_argument("--dense-up-to", type=int, default=1024, help="windows up to this long attend densely")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)

@@ -75,15 +75,17 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: in
     return jnp.concatenate(outs, axis=1)
 
 
-def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, attention_block: int = 0) -> jax.Array:
+def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, attention_block: int = 0,
+                  dense_up_to: int = 1024) -> jax.Array:
     """Final normalised hidden states [B, T, H] of windows i32[B, T] that start at position 0.
 
-    `attention_block` > 0 uses `blocked_causal_attention` with query blocks of that many tokens."""
+    Windows longer than `dense_up_to` use `blocked_causal_attention` with query blocks of `attention_block` tokens
+    when that is > 0 (measured on a 2-core CPU: at 4096 tokens, blocks of 256 train 1.9x faster than dense)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
 
     def attend(i, state, q, k, v):
-        if attention_block > 0:
+        if attention_block > 0 and T > dense_up_to:
             return blocked_causal_attention(q, k, v, attention_block), state, None
         return causal_attention(q, k, v), state, None
 
@@ -91,9 +93,11 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array, attent
     return h
 
 
-def next_token_loss(params: Params, config: ModelConfig, windows: jax.Array, attention_block: int = 0) -> jax.Array:
-    """Mean next-token negative log-likelihood (nats) of windows i32[B, T + 1]: inputs [:, :-1], targets [:, 1:]."""
-    h = hidden_states(params, config, windows[:, :-1], attention_block)
+def next_token_loss(params: Params, config: ModelConfig, windows: jax.Array, attention_block: int = 0,
+                    dense_up_to: int = 1024) -> jax.Array:
+    """Mean next-token negative log-likelihood (nats) of windows i32[B, T + 1]: inputs [:, :-1], targets [:, 1:].
+    (`attention_block`, `dense_up_to`: see `hidden_states`.)"""
+    h = hidden_states(params, config, windows[:, :-1], attention_block, dense_up_to)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = (h @ head).astype(jnp.float32)
     target = windows[:, 1:]
