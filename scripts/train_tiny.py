@@ -1,108 +1,114 @@
-"""Train the small bundled code model (or any architecture kvjax supports) on the Python standard library.
+"""Train the small bundled code model, resumably, in context-length phases; then evaluate and export it.
 
-Reproduces checkpoints/kvjax-code-tiny (Llama family) and the hybrid checkpoint (``--family deepseek_v4``):
+    python scripts/train_tiny.py --out checkpoints/kvjax-code-tiny-v2-work \
+        --phases 512:3M,2048:300k,4096:200k --save-every 20
+    python scripts/train_tiny.py --out checkpoints/kvjax-code-tiny-v2-work --resume ...   # same flags: continue
+    python scripts/train_tiny.py --out DIR --resume --export-to checkpoints/kvjax-code-tiny --train-steps 0
 
-    python scripts/train_tiny.py --out checkpoints/kvjax-code-tiny
+Recipe: AdamW (Optax) with warm-up and cosine decay over the whole run, phases of window length (short windows
+first, the last phase >= 4K tokens so the model learns to use long context), windows of the train split visited
+without repeats per epoch (`kvjax.training.windows`), f32 training, bf16 weights shipped with YaRN over the last
+phase's context. The step (`kvjax.training.step`) is one jitted program over `--tokens-per-step` tokens,
+accumulated over micro-batches of `--micro-tokens`, dense causal attention, params and optimizer state donated,
+the loss read back only every `--log-every` steps.
 
-Recipe: AdamW (Optax) with warm-up + cosine decay, a context curriculum (short windows first, then ``--context``
-tokens), random windows of the train split, f32 training, bf16 weights shipped. After training it evaluates
-validation perplexity at several context lengths with the shipped rope config and writes config.json,
-model.safetensors, an Orbax checkpoint, train_log.json and the model card figures.
+Every `--save-every` steps (and on SIGINT/SIGTERM, and at the end) the whole training state — params, optimizer
+state, data position, step, phase, RNG — replaces `<out>/train_state` (Orbax) and `<out>/train_log.json` is
+rewritten: one entry per segment (a process's run: start/stop time, steps, tokens, tokens/s, effective GFLOP/s,
+machine load) plus the loss curve. `--resume` continues from the saved state with the data the uninterrupted run
+would have seen. When the last phase is done (or with `--export-to`), the model is exported, evaluated on held-out
+files at `--eval-contexts` through the decode engine, and the model card is rendered.
+
+`--family deepseek_v4` trains the hybrid checkpoint's architecture through its own `forward_train`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import datetime
+import functools
 import json
-import math
 import os
-import shutil
+import signal
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvjax.models.llama.config import ModelConfig  # noqa: E402
-from kvjax.models.rope import RopeConfig
-from kvjax.models.layer_types import FULL
-from kvjax.tokenizer import Tokenizer  # noqa: E402
 from kvjax.data import corpus  # noqa: E402
+from kvjax.tokenizer import Tokenizer  # noqa: E402
+from kvjax.training import state as train_state  # noqa: E402
+from kvjax.training.flops import train_flops_per_token  # noqa: E402
+from kvjax.training.model_config import tiny_llama_config, with_long_context_rope  # noqa: E402
+from kvjax.training.phases import parse_phases, phase_at, total_steps  # noqa: E402
+from kvjax.training.step import make_optimizer, make_train_step  # noqa: E402
+from kvjax.training.windows import WindowSampler  # noqa: E402
+
+LOG_NAME = "train_log.json"
 
 
-def llama_family(args, vocab: int, eos: int) -> tuple[ModelConfig, object]:
-    from kvjax.models import llama
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        rms_norm_eps=1e-5, rope=RopeConfig(rope_type="default", theta=args.rope_theta),
-        layer_types=(FULL,) * args.layers, tie_word_embeddings=True, max_position_embeddings=args.context,
-        eos_token_ids=(eos,),
-    )
-    return cfg, llama
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def with_long_context_rope(cfg: ModelConfig, factor: float) -> ModelConfig:
-    """The shipped config: YaRN over the trained context, so 32K-token prompts keep seen rotation angles."""
-    if factor <= 1:
-        return cfg
-    rope = dataclasses.replace(cfg.rope, rope_type="yarn", factor=factor,
-                               original_max_position_embeddings=cfg.max_position_embeddings)
-    return dataclasses.replace(cfg, rope=rope, max_position_embeddings=int(cfg.max_position_embeddings * factor))
+def build_model(args, vocab: int, eos: int, context: int):
+    """(config, params init function, loss function) of the chosen family."""
+    if args.family == "llama":
+        from kvjax.models import llama
+        from kvjax.training.forward import next_token_loss
+
+        cfg = tiny_llama_config(context=context, vocab=vocab, eos=eos, hidden=args.hidden,
+                                intermediate=args.intermediate, layers=args.layers, heads=args.heads,
+                                kv_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta)
+        return cfg, llama.init_params, functools.partial(next_token_loss, attention_block=args.attention_block,
+                                                              dense_up_to=args.dense_up_to)
+    from kvjax.models import deepseek_v4
+
+    cfg = deepseek_v4.config_for_training(vocab=vocab, eos=eos, **json.loads(args.hybrid_config or "{}"))
+
+    def loss(params, config, windows):
+        logits = deepseek_v4.forward_train(params, config, windows[:, :-1]).astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, windows[:, 1:, None], axis=-1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    return cfg, deepseek_v4.init_params, loss
 
 
-def make_step(family, cfg, opt):
-    def loss_fn(params, batch):
-        logits = family.forward_train(params, cfg, batch[:, :-1])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
-        return jnp.mean(nll)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
+def read_log(out: str) -> dict:
+    path = os.path.join(out, LOG_NAME)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
 
 
-def eval_ppl(family, cfg, params, stream: np.ndarray, ctx: int, windows: int, chunk: int = 512) -> float:
-    """Perplexity of the last `chunk` tokens of `windows` windows of `ctx` tokens (full context before them)."""
-    from kvjax.models.llama.cache import init_cache
-    from kvjax.cache.capacity import pick_capacity
-    from kvjax.decode import steps
-
-    rng = np.random.RandomState(1234)
-    nll, count = 0.0, 0
-    for _ in range(windows):
-        start = rng.randint(0, len(stream) - ctx - 1)
-        seq = stream[start:start + ctx + 1]
-        if family.__name__.endswith("llama"):
-            cache = init_cache(cfg, 1, pick_capacity(ctx))
-            _, cache = steps.prefill(params, cfg, cache, seq[: ctx - chunk])
-            logits, _ = steps.forward_step(params, cfg, cache, jnp.asarray(seq[None, ctx - chunk:ctx]),
-                                           jnp.asarray([chunk], jnp.int32))
-            logits = np.asarray(logits[0])
-        else:
-            logits = np.asarray(family.forward_train(params, cfg, jnp.asarray(seq[None, :ctx])))[0, -chunk:]
-        tgt = seq[ctx - chunk + 1: ctx + 1]
-        lp = logits - logits.max(-1, keepdims=True)
-        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
-        nll += -lp[np.arange(chunk), tgt].sum()
-        count += chunk
-    return float(math.exp(nll / count))
+def write_log(out: str, log: dict) -> None:
+    tmp = os.path.join(out, LOG_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(log, f, indent=1)
+    os.replace(tmp, os.path.join(out, LOG_NAME))
 
 
-def main(argv=None):
+class StopFlag:
+    """Set by SIGINT / SIGTERM so the loop saves the state and stops at the next step boundary."""
+
+    def __init__(self):
+        self.set = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        print(f"signal {signum}: saving the training state at the next step boundary", flush=True)
+        self.set = True
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--out", required=True, help="run folder: training state, train_log.json, exported model")
     ap.add_argument("--tokenizer", default="checkpoints/kvjax-code-tiny")
     ap.add_argument("--family", default="llama", choices=["llama", "deepseek_v4"])
     ap.add_argument("--hidden", type=int, default=256)
@@ -112,125 +118,188 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--short-context", type=int, default=512)
-    ap.add_argument("--short-fraction", type=float, default=0.6, help="fraction of steps at --short-context")
+    ap.add_argument("--phases", default="512:3M,2048:300k,4096:200k", help="CONTEXT:TOKENS,... in order")
     ap.add_argument("--tokens-per-step", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--micro-tokens", type=int, default=2048, help="tokens per accumulated micro-batch")
+    ap.add_argument("--attention-block", type=int, default=256,
+                    help="query block of the blocked causal attention of windows over --dense-up-to (0: dense)")
+    ap.add_argument("--dense-up-to", type=int, default=1024, help="windows up to this long attend densely")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--yarn-factor", type=float, default=16.0)
-    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768")
-    ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--save-every", type=int, default=20)
+    ap.add_argument("--resume", action="store_true", help="continue from <out>/train_state")
+    ap.add_argument("--train-steps", type=int, default=None, help="stop this segment after this many steps")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop this segment after this much training")
+    ap.add_argument("--export-to", default=None, help="export/evaluate into this folder even if phases remain")
+    ap.add_argument("--no-export", action="store_true", help="never export or evaluate")
+    ap.add_argument("--yarn-factor", type=float, default=8.0)
+    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768")
+    ap.add_argument("--eval-windows", type=int, default=4)
+    ap.add_argument("--eval-splits", default="heldout,val")
     ap.add_argument("--hybrid-config", default=None, help="JSON of DeepSeek-V4 config fields (deepseek_v4 only)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    t_start = time.time()
-    tok = Tokenizer.from_dir(args.tokenizer)
-    train = corpus.token_stream(tok, "train")
-    val = corpus.token_stream(tok, "val")
-    print(f"train tokens {len(train):,}  val tokens {len(val):,}", flush=True)
 
-    if args.family == "llama":
-        cfg, family = llama_family(args, tok.vocab_size, tok.eos_token_id)
-    else:
-        from kvjax.models import deepseek_v4 as family
-
-        cfg = family.config_for_training(vocab=tok.vocab_size, eos=tok.eos_token_id,
-                                         **json.loads(args.hybrid_config or "{}"))
-    params = family.init_params(cfg, jax.random.PRNGKey(args.seed))
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-    print(f"params {n_params:,}", flush=True)
-
-    warmup = min(args.warmup, max(1, args.steps // 4))
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.05)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1))
-    opt_state = opt.init(params)
-    step = make_step(family, cfg, opt)
-    rng = np.random.RandomState(args.seed)
-    log = []
-    n_short = int(args.steps * args.short_fraction)
-    t_train = time.time()
-    for i in range(args.steps):
-        ctx = args.short_context if i < n_short else args.context
-        bs = max(1, args.tokens_per_step // ctx)
-        starts = rng.randint(0, len(train) - ctx - 1, size=bs)
-        batch = np.stack([train[s:s + ctx + 1] for s in starts]).astype(np.int32)
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(batch))
-        if i % 10 == 0 or i == args.steps - 1:
-            loss = float(loss)
-            el = time.time() - t_train
-            log.append(dict(step=i, context=ctx, loss=loss, elapsed_s=el))
-            print(f"step {i:5d} ctx {ctx:5d} loss {loss:.4f}  {el:7.1f}s", flush=True)
-    train_s = time.time() - t_train
-
-    # Ship bf16 weights; evaluate exactly what is shipped (bf16-rounded, computed in f32).
-    shipped = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
-    ship_cfg = with_long_context_rope(cfg, args.yarn_factor) if args.family == "llama" else cfg
-    # Save first: evaluation at 32K tokens takes minutes on a CPU.
+def main(argv=None):
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from safetensors.numpy import save_file
+    tok = Tokenizer.from_dir(args.tokenizer)
+    phases = parse_phases(args.phases, args.tokens_per_step)
+    n_steps = total_steps(phases)
+    cfg, init_params, loss_fn = build_model(args, tok.vocab_size, tok.eos_token_id, phases[-1].context)
+    opt = make_optimizer(args.lr, args.warmup, n_steps)
+    params = init_params(cfg, jax.random.PRNGKey(args.seed))
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    state = dict(params=params, opt_state=opt.init(params), rng=jax.random.PRNGKey(args.seed + 1), step=0,
+                 phase=0, cursor=0, seed=args.seed, tokens=0)
+    log = read_log(args.out) if args.resume else {}
+    if args.resume:
+        state = train_state.restore_state(args.out, state)
+        print(f"resumed at step {state['step']} (phase {state['phase']}, window {state['cursor']}, "
+              f"{state['tokens']:,} tokens)", flush=True)
+    elif train_state.has_state(args.out):
+        raise SystemExit(f"{args.out} already holds a training state; pass --resume to continue it or pick a new --out")
+    log.setdefault("runs", dict(argv=sys.argv[1:], phases=args.phases, tokens_per_step=args.tokens_per_step,
+                                micro_tokens=args.micro_tokens, lr=args.lr, seed=args.seed))
+    log.setdefault("segments", [])
+    log.setdefault("loss", [])
+    log.update(family=args.family, params=n_params, weights_bytes_bf16=2 * n_params,
+               kv_bytes_per_token_f32=(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+                                       if args.family == "llama" else None),
+               total_steps=n_steps, jax=jax.__version__, python=sys.version.split()[0])
 
-    if args.family == "llama":
-        from kvjax.models.llama.weights import hf_config_dict, params_to_tensors
-        from kvjax.checkpoint import save_orbax
+    train = corpus.token_stream(tok, "train")
+    print(f"params {n_params:,}; train tokens {train.size:,}; {n_steps} steps: "
+          + ", ".join(f"{p.context}x{p.batch} for {p.steps} steps" for p in phases), flush=True)
+    step_fn = make_train_step(cfg, opt, loss_fn)
+    samplers: dict[int, WindowSampler] = {}
+    stop = StopFlag()
 
-        hf = hf_config_dict(ship_cfg, torch_dtype="bfloat16")
-        tensors = params_to_tensors(ship_cfg, shipped, dtype="bf16")
-    else:
-        from kvjax.checkpoint import save_orbax
+    seg = dict(start_utc=utc_now(), start_step=state["step"], start_tokens=state["tokens"], train_s=0.0,
+               compile_s=0.0, load_avg_start=os.getloadavg(), argv=sys.argv[1:], resumed=args.resume)
+    log["segments"].append(seg)
+    pending: list[tuple[int, int, object]] = []  # (step, context, loss on device) not yet logged
+    t_last = time.perf_counter()
+    seg_steps = 0
 
-        hf = family.hf_config_dict(cfg)
-        tensors = family.params_to_tensors(cfg, shipped, dtype="bf16")
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    orbax_dir = os.path.join(args.out, "orbax")
-    if os.path.exists(orbax_dir):
-        shutil.rmtree(orbax_dir)
-    save_orbax(orbax_dir, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
-    marker = os.path.join(orbax_dir, "commit_success.txt")  # names this machine's path; restore does not need it
-    if os.path.exists(marker):
-        os.remove(marker)
-    if os.path.abspath(args.tokenizer) != os.path.abspath(args.out):
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(args.tokenizer, name), os.path.join(args.out, name))
-    ppl = {}
-    for c in [int(x) for x in args.eval_contexts.split(",") if x]:
-        if len(val) < c + 2:
-            stream = np.concatenate([val] * (c // len(val) + 2))
+    def flush(final: bool = False):
+        for s, c, loss in pending:
+            log["loss"].append(dict(step=s, context=c, loss=round(float(loss), 4)))
+        if pending:
+            s, c, loss = pending[-1]
+            rate = (state["tokens"] - seg["start_tokens"]) / max(seg["train_s"], 1e-9)
+            print(f"step {s:5d}/{n_steps} ctx {c:5d} loss {float(loss):.4f}  {state['tokens']:>11,} tok  "
+                  f"{rate:7.0f} tok/s  load {os.getloadavg()[0]:.1f}", flush=True)
+        pending.clear()
+        seg.update(stop_utc=utc_now(), stop_step=state["step"], tokens=state["tokens"] - seg["start_tokens"],
+                   load_avg_stop=os.getloadavg(), final=final)
+        timed = seg["train_s"] - seg["compile_s"]
+        seg["tokens_per_s"] = round(seg.get("timed_tokens", 0) / timed, 1) if timed > 0 else None
+        seg["effective_gflops"] = round(seg.get("timed_flops", 0) / timed / 1e9, 2) if timed > 0 else None
+
+    def save():
+        flush()
+        train_state.save_state(args.out, state)
+        log["train_state_bytes"] = train_state.state_bytes(args.out)
+        log["tokens_trained"] = state["tokens"]
+        log["steps_done"] = state["step"]
+        write_log(args.out, log)
+
+    compiled = set()
+    while state["step"] < n_steps and not stop.set:
+        if args.train_steps is not None and seg_steps >= args.train_steps:
+            break
+        if args.max_seconds is not None and seg["train_s"] >= args.max_seconds:
+            break
+        p_idx, _ = phase_at(phases, state["step"])
+        if p_idx != state["phase"]:
+            state["phase"], state["cursor"] = p_idx, 0
+        ph = phases[p_idx]
+        if p_idx not in samplers:
+            samplers[p_idx] = WindowSampler(train, ph.context, args.seed, p_idx)
+        micro = max(1, min(ph.batch, args.micro_tokens // ph.context))
+        while ph.batch % micro:
+            micro -= 1
+        windows = samplers[p_idx].batch(state["cursor"], ph.batch).reshape(ph.batch // micro, micro, -1)
+        first = (ph.context, micro) not in compiled
+        state["params"], state["opt_state"], loss = step_fn(state["params"], state["opt_state"],
+                                                            jnp.asarray(windows))
+        state["step"] += 1
+        state["cursor"] += ph.batch
+        state["tokens"] += ph.tokens_per_step
+        seg_steps += 1
+        flops = train_flops_per_token(cfg, ph.context) * ph.tokens_per_step if args.family == "llama" else 0.0
+        pending.append((state["step"], ph.context, loss))
+        if first:  # time the compile separately: it is not throughput
+            jax.block_until_ready(loss)
+            compiled.add((ph.context, micro))
+        now = time.perf_counter()
+        dt = now - t_last
+        t_last = now
+        seg["train_s"] += dt
+        if first:
+            seg["compile_s"] += dt
         else:
-            stream = val
-        ppl[c] = eval_ppl(family, ship_cfg, shipped, stream, c, args.eval_windows)
-        print(f"val ppl @ {c}: {ppl[c]:.3f}", flush=True)
+            seg["timed_tokens"] = seg.get("timed_tokens", 0) + ph.tokens_per_step
+            seg["timed_flops"] = seg.get("timed_flops", 0.0) + flops
+        if state["step"] % args.log_every == 0:
+            flush()  # its wait for the loss is compute time: it lands in the next step's interval
+        if state["step"] % args.save_every == 0:
+            jax.block_until_ready(state["params"])
+            seg["train_s"] += time.perf_counter() - t_last
+            save()
+            t_last = time.perf_counter()
+    jax.block_until_ready(state["params"])
+    seg["train_s"] += time.perf_counter() - t_last
+    done = state["step"] >= n_steps
+    flush(final=done)
+    save()
+    print(f"segment: {seg['tokens']:,} tokens, {seg['tokens_per_s']} tok/s, {seg['effective_gflops']} GFLOP/s "
+          f"effective; state {log['train_state_bytes'] / 2**20:.1f} MiB; {'finished' if done else 'stopped'}",
+          flush=True)
+    if args.no_export or stop.set or not (done or args.export_to):
+        return
+    export_and_evaluate(args, cfg, state, log, tok)
 
-    # The same weights without rope scaling, for the model card: what YaRN buys at long context.
-    ppl_plain = {}
-    if args.family == "llama" and ship_cfg is not cfg and ppl:
-        for c in sorted({min(ppl), max(ppl)}):
-            stream = val if len(val) >= c + 2 else np.concatenate([val] * (c // len(val) + 2))
-            ppl_plain[c] = eval_ppl(family, cfg, shipped, stream, c, max(1, args.eval_windows // 2))
-            print(f"val ppl @ {c} without rope scaling: {ppl_plain[c]:.3f}", flush=True)
 
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 if args.family == "llama" else None
-    result = dict(
-        family=args.family, params=n_params, weights_bytes_bf16=2 * n_params, kv_bytes_per_token_f32=kv_bytes_per_token,
-        steps=args.steps, tokens_per_step=args.tokens_per_step, context=args.context,
-        short_context=args.short_context, short_fraction=args.short_fraction, lr=args.lr,
-        train_seconds=round(train_s, 1), total_seconds=round(time.time() - t_start, 1),
-        final_loss=log[-1]["loss"], val_ppl={str(k): round(v, 3) for k, v in ppl.items()},
-        val_ppl_without_rope_scaling={str(k): round(v, 3) for k, v in ppl_plain.items()},
-        ppl_ratio_longest_vs_2k=round(ppl[max(ppl)] / ppl[min(ppl)], 3) if ppl else None,
-        yarn_factor=args.yarn_factor, jax=jax.__version__, python=sys.version.split()[0], argv=sys.argv[1:], log=log,
-    )
-    with open(os.path.join(args.out, "train_log.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "log"}, indent=2))
+def export_and_evaluate(args, cfg, state, log, tok):
+    from kvjax import api
+    from kvjax.training.evaluate import perplexity
+    from kvjax.training.export import export_checkpoint
+
+    dest = args.export_to or args.out
+    ship_cfg = with_long_context_rope(cfg, args.yarn_factor) if args.family == "llama" else cfg
+    export_checkpoint(dest, args.family, ship_cfg, state["params"], args.tokenizer)
+    model = api.load(dest)
+    ppl = {}
+    for split in [s for s in args.eval_splits.split(",") if s]:
+        ppl[split] = {}
+        for c in [int(x) for x in args.eval_contexts.split(",") if x]:
+            t0 = time.perf_counter()
+            ppl[split][str(c)] = round(perplexity(model, tok, c, args.eval_windows, split=split), 3)
+            print(f"{split} ppl @ {c}: {ppl[split][str(c)]}  ({time.perf_counter() - t0:.0f}s)", flush=True)
+    final_loss = log["loss"][-1]["loss"] if log["loss"] else None
+    segs = [s for s in log["segments"] if s.get("tokens_per_s")]
+    log.update(val_ppl=ppl.get("heldout", next(iter(ppl.values()), {})), ppl_by_split=ppl,
+               eval_windows=args.eval_windows, eval_scored_tokens=512, final_loss=final_loss,
+               yarn_factor=args.yarn_factor, trained_context=cfg.max_position_embeddings,
+               train_seconds=round(sum(s["train_s"] for s in log["segments"]), 1),
+               tokens_per_s=round(sum(s["timed_tokens"] for s in segs)
+                                  / sum(s["train_s"] - s["compile_s"] for s in segs), 1) if segs else None,
+               effective_gflops=round(sum(s["timed_flops"] for s in segs) / 1e9
+                                      / sum(s["train_s"] - s["compile_s"] for s in segs), 2) if segs else None)
+    if ppl:
+        first = log["val_ppl"]
+        log["ppl_ratio_longest_vs_2k"] = round(first[max(first, key=int)] / first[min(first, key=int)], 3)
+    write_log(args.out, log)
+    if os.path.abspath(dest) != os.path.abspath(args.out):
+        write_log(dest, {k: v for k, v in log.items()})
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import model_card
 
-    model_card.main([args.out])
+    model_card.main([dest])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Python-source corpus for the bundled code model: the running interpreter's standard library.
+"""Python-source corpus for the bundled code model: the running interpreter's standard library plus the pure-Python
+sources of kvjax's runtime dependencies (`kvjax.data.dependencies`; keys `deps/<distribution>/<path>`).
 
 The corpus is the `*.py` files under `sysconfig.get_paths()["stdlib"]`, which every machine with Python has, so
 nothing is downloaded. Excluded: test code (any directory named `test`, `tests`, `idle_test` or matching
@@ -10,8 +11,13 @@ depends on which other files exist: ~90% train, ~5% validation, ~5% held-out. He
 long prompts (`long_prompts`). Different Python versions have different standard libraries; `manifest()` records
 the version and per-file sha256 so a run can say which corpus it used.
 
-Limits: the corpus is small (~12 MB of text for CPython 3.11) and all Python; it is meant for a tiny model whose
-job is to produce real, structured long contexts, not to be a good code model.
+With `root` given, functions read a standard library at `root` alone (no dependencies). Otherwise the corpus is
+the stdlib plus the dependencies, deduplicated by content: a file whose bytes equal an earlier file's (held-out
+first, then validation, then train; path order within a split) is dropped, so no held-out text is trained on
+through a vendored copy. The same exclusion rules apply to dependency paths.
+
+`long_prompts` (the benchmark and demo prompts) draws from the held-out files of the standard library only, so
+the prompts stay the same whichever dependencies are installed; those files are never trained on.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import sysconfig
 from typing import Any, Sequence
 
 import numpy as np
+
+from kvjax.data import dependencies
 
 SPLITS = ("train", "val", "heldout")
 MAX_FILE_BYTES = 200 * 1024
@@ -102,26 +110,75 @@ def _check_split(name: str) -> None:
         raise ValueError(f"unknown split {name!r}; expected one of {SPLITS}")
 
 
-def split_files(name: str, root: str | None = None) -> list[str]:
-    """Relative paths of one split's files."""
+def dependency_files() -> list[str]:
+    """Sorted keys of the dependency sources that pass the exclusion and size rules."""
+    out = []
+    for info in dependencies.resolve()[0].values():
+        for key, path in info["files"].items():
+            if not is_excluded(key[len(dependencies.PREFIX):]) and os.path.getsize(path) <= MAX_FILE_BYTES:
+                out.append(key)
+    return sorted(out)
+
+
+def file_path(relpath: str, root: str | None = None) -> str:
+    """Absolute path of a corpus file key (a stdlib relpath or a `deps/...` key)."""
+    if root is None and relpath.startswith(dependencies.PREFIX):
+        return dependencies.path_of(relpath)
+    return os.path.join(root or stdlib_root(), relpath)
+
+
+def _sha256_file(relpath: str, root: str | None) -> str:
+    with open(file_path(relpath, root), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+_SPLIT_CACHE: dict = {}
+
+
+def corpus_splits(root: str | None = None, stdlib_only: bool = False) -> dict[str, list[str]]:
+    """{split: sorted keys}: the stdlib (at `root`, or the running one plus the dependencies unless `stdlib_only`),
+    split by path hash, then deduplicated by content (held-out, then validation, then train keep a file first)."""
+    with_deps = root is None and not stdlib_only
+    files = stdlib_files(root) + (dependency_files() if with_deps else [])
+    if not with_deps:
+        return split(files)
+    key = tuple(files)
+    if key not in _SPLIT_CACHE:
+        by_split = split(files)
+        seen, out = set(), {}
+        for name in ("heldout", "val", "train"):
+            kept = []
+            for f in by_split[name]:
+                digest = _sha256_file(f, None)
+                if digest not in seen:
+                    seen.add(digest)
+                    kept.append(f)
+            out[name] = kept
+        _SPLIT_CACHE.clear()
+        _SPLIT_CACHE[key] = {n: out[n] for n in SPLITS}
+    return _SPLIT_CACHE[key]
+
+
+def split_files(name: str, root: str | None = None, stdlib_only: bool = False) -> list[str]:
+    """Keys of one split's files (see `corpus_splits`)."""
     _check_split(name)
-    return split(stdlib_files(root))[name]
+    return corpus_splits(root, stdlib_only)[name]
 
 
 def read_file(relpath: str, root: str | None = None) -> str:
     """One corpus file as text (bytes that are not UTF-8 become U+FFFD)."""
-    with open(os.path.join(root or stdlib_root(), relpath), encoding="utf-8", errors="replace") as f:
+    with open(file_path(relpath, root), encoding="utf-8", errors="replace") as f:
         return f.read()
 
 
-def pieces(name: str, root: str | None = None) -> list[tuple[str, str]]:
-    """[(relpath, separator(relpath) + text)] for one split, in path order."""
-    return [(f, separator(f) + read_file(f, root)) for f in split_files(name, root)]
+def pieces(name: str, root: str | None = None, stdlib_only: bool = False) -> list[tuple[str, str]]:
+    """[(key, separator(key) + text)] for one split, in path order."""
+    return [(f, separator(f) + read_file(f, root)) for f in split_files(name, root, stdlib_only)]
 
 
-def read_text(name: str, root: str | None = None) -> str:
+def read_text(name: str, root: str | None = None, stdlib_only: bool = False) -> str:
     """All files of a split joined, each preceded by its `separator` line."""
-    return "".join(p for _, p in pieces(name, root))
+    return "".join(p for _, p in pieces(name, root, stdlib_only))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,7 +208,8 @@ def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-def token_stream_with_offsets(tokenizer: Any, name: str, root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def token_stream_with_offsets(tokenizer: Any, name: str, root: str | None = None,
+                              stdlib_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of a split and where each file starts in them.
 
     Each file piece (`separator` + text) is encoded on its own and the results concatenated, so file starts are
@@ -163,7 +221,7 @@ def token_stream_with_offsets(tokenizer: Any, name: str, root: str | None = None
       starts: i64[F+1] token offset of each file's first token, then L.
     """
     _check_split(name)
-    items = pieces(name, root)
+    items = pieces(name, root, stdlib_only)
     h = hashlib.sha256(f"kvjax-corpus-v{_CACHE_FORMAT}\0{name}\0{_tokenizer_identity(tokenizer)}".encode())
     for _, text in items:
         h.update(hashlib.sha256(text.encode("utf-8")).digest())
@@ -185,16 +243,17 @@ def token_stream_with_offsets(tokenizer: Any, name: str, root: str | None = None
     return tokens, starts
 
 
-def token_stream(tokenizer: Any, name: str, root: str | None = None) -> np.ndarray:
+def token_stream(tokenizer: Any, name: str, root: str | None = None, stdlib_only: bool = False) -> np.ndarray:
     """i32[L] tokens of a split (see `token_stream_with_offsets`; cached on disk)."""
-    return token_stream_with_offsets(tokenizer, name, root)[0]
+    return token_stream_with_offsets(tokenizer, name, root, stdlib_only)[0]
 
 
 def long_prompts(tokenizer: Any, n_tokens: int, count: int, seed: int = 0, *, root: str | None = None,
-                 split_name: str = "heldout") -> list[np.ndarray]:
+                 split_name: str = "heldout", stdlib_only: bool = True) -> list[np.ndarray]:
     """`count` windows of exactly `n_tokens` tokens of held-out code, deterministic in `seed`.
 
-    Prompt i starts at the first token of a file (files are visited in a seeded permutation, so different prompts
+    Files are the split's stdlib files unless `stdlib_only=False` (then the dependencies' too). Prompt i starts at
+    the first token of a file (files are visited in a seeded permutation, so different prompts
     start at different files while there are enough of them) and runs on through the following files in path
     order, wrapping around to the first file when the split is shorter than `n_tokens`.
 
@@ -203,7 +262,7 @@ def long_prompts(tokenizer: Any, n_tokens: int, count: int, seed: int = 0, *, ro
     """
     if n_tokens < 1 or count < 0:
         raise ValueError(f"need n_tokens >= 1 and count >= 0, got n_tokens={n_tokens}, count={count}")
-    tokens, starts = token_stream_with_offsets(tokenizer, split_name, root)
+    tokens, starts = token_stream_with_offsets(tokenizer, split_name, root, stdlib_only)
     total, n_files = tokens.size, starts.size - 1
     if total == 0:
         raise ValueError(f"split {split_name!r} has no tokens")
@@ -220,26 +279,34 @@ def long_prompts(tokenizer: Any, n_tokens: int, count: int, seed: int = 0, *, ro
 # Manifest.
 
 
-def _sha256_file(relpath: str, root: str) -> str:
-    with open(os.path.join(root, relpath), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def manifest(root: str | None = None) -> dict:
     """What the corpus is, with no absolute machine paths: Python version, rules, per-split files and sha256s.
 
     `splits[name]["files"]` maps relpath -> sha256 of the file's bytes; `splits[name]["sha256"]` hashes the
     sorted (relpath, file sha256) pairs, so two machines agree on a split iff the digests match.
     """
-    root = root or stdlib_root()
     splits = {}
-    for name, files in split(stdlib_files(root)).items():
+    for name, files in corpus_splits(root).items():
         digests = {f: _sha256_file(f, root) for f in files}
         whole = hashlib.sha256("".join(f"{f}\0{d}\n" for f, d in digests.items()).encode()).hexdigest()
-        size = sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        size = sum(os.path.getsize(file_path(f, root)) for f in files)
         splits[name] = dict(n_files=len(files), bytes=size, sha256=whole, files=digests)
+    packages = {"python-stdlib": dict(version=platform.python_version(), licence="PSF-2.0",
+                                      files={n: sum(not f.startswith(dependencies.PREFIX) for f in splits[n]["files"])
+                                             for n in SPLITS})}
+    if root is None:
+        dists, missing = dependencies.resolve()
+        for dist, info in sorted(dists.items()):
+            counts = {n: sum(dependencies.package_of(f) == dist for f in splits[n]["files"]
+                             if f.startswith(dependencies.PREFIX)) for n in SPLITS}
+            packages[dist] = dict(version=info["version"], licence=info["licence"], files=counts)
+    else:
+        missing = ()
     return dict(
-        source='*.py files of sysconfig.get_paths()["stdlib"] of the Python that built this manifest',
+        source='*.py files of sysconfig.get_paths()["stdlib"] of the Python that built this manifest, plus the '
+               '*.py files of the installed runtime dependencies of kvjax (keys deps/<distribution>/<path>)',
+        packages=packages,
+        dependencies_not_installed=list(missing),
         python_version=platform.python_version(),
         python_implementation=platform.python_implementation(),
         python_version_full=sys.version.split()[0],
@@ -251,6 +318,9 @@ def manifest(root: str | None = None) -> dict:
             split="bucket = int(sha256(relpath)[:8 bytes], big-endian) % 10000; "
                   "<9000 train, <9500 val, else heldout",
             separator=separator("<relpath>"),
+            file_package='stdlib relpath -> "python-stdlib"; "deps/<distribution>/..." -> <distribution>; '
+                         "version and licence of each in `packages`",
+            dedup="sha256 of the bytes; first occurrence kept in the order heldout, val, train (path order within)",
             decoding='utf-8, errors="replace"',
         ),
         splits=splits,

@@ -1,0 +1,1 @@
+"""Training the bundled tiny models: a fast training forward, the data windows, phases and a resumable state."""

@@ -1,0 +1,37 @@
+"""Perplexity of a shipped checkpoint on held-out code at a given context length, through the decode engine.
+
+A window is `context + 1` tokens of a split starting at a file boundary (`corpus.long_prompts`, the benchmark
+prompts' source); the model prefills the first `context` tokens in chunks (so 32K-token windows fit in memory) and
+the perplexity is over the last `scored` positions, each predicted with the full context before it. Evaluating
+the loaded checkpoint, not the training params, measures exactly what ships (bf16 weights, the shipped rope).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def window_nll(model, window: np.ndarray, scored: int) -> tuple[float, int]:
+    """(summed nll, count) of the last `scored` next-token predictions of `window` i32[context + 1]."""
+    from kvjax import api
+
+    logits = np.asarray(api.logits(model, window[:-1]), np.float64)[-scored:]
+    target = window[-scored:]
+    m = logits.max(-1, keepdims=True)
+    logz = m[:, 0] + np.log(np.exp(logits - m).sum(-1))
+    return float((logz - logits[np.arange(scored), target]).sum()), scored
+
+
+def perplexity(model, tokenizer, context: int, windows: int, *, split: str = "heldout", scored: int = 512,
+               seed: int = 1234) -> float:
+    """exp(mean nll) over the last `scored` tokens of `windows` windows of `context` tokens of `split`."""
+    from kvjax.data import corpus
+
+    scored = min(scored, context)
+    total, count = 0.0, 0
+    for w in corpus.long_prompts(tokenizer, context + 1, windows, seed, split_name=split):
+        s, n = window_nll(model, w, scored)
+        total, count = total + s, count + n
+    return math.exp(total / count)
