@@ -30,9 +30,16 @@ def draft_step(params, config, dcache, last: jax.Array, seed: jax.Array, *, x: i
     qlog = jnp.zeros((B, x, V) if rejection else (B, 1, V), jnp.float32)
     ones = jnp.ones((B,), jnp.int32)
 
+    # the compressed prompt parts never change while drafting: out of the loop carry, so XLA reads them in place
+    # instead of copying them every iteration (it copies a carried buffer a dot reads; see kvjax.cache.chunked)
+    split = family.draft_split is not None
+    frozen, dcache = family.draft_split(dcache) if split else (None, dcache)
+
     def body(i, carry):
         tok, dc, drafts, qlog = carry
-        logits, dc = family.draft_forward(params, config, dc, tok[:, None], ones, implementation=impl)
+        logits, dc = family.draft_forward(params, config, family.draft_join(frozen, dc) if split else dc, tok[:, None],
+                                          ones, implementation=impl)
+        dc = family.draft_split(dc)[1] if split else dc
         pos = dc.length[:, None]  # position of the token being produced
         if rejection:
             nxt = sampling.sample_draft(logits, pos, seed, temperature)[:, 0]
@@ -42,4 +49,4 @@ def draft_step(params, config, dcache, last: jax.Array, seed: jax.Array, *, x: i
         return nxt, dc, drafts.at[:, i].set(nxt), qlog
 
     _, dcache, drafts, qlog = jax.lax.fori_loop(0, x, body, (last.astype(jnp.int32), dcache, drafts, qlog))
-    return drafts, qlog, dcache
+    return drafts, qlog, (family.draft_join(frozen, dcache) if split else dcache)

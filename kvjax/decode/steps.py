@@ -126,8 +126,18 @@ def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_step
     Returns:
         (i32[B, num_steps] the tokens produced after `first`, cache) — plus the logprobs when asked.
     """
-    fwd = functools.partial(_forward, family, impl, params, config)
-    return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature, return_logprobs)
+    if family.decode_split is None:
+        fwd = functools.partial(_forward, family, impl, params, config)
+        return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature, return_logprobs)
+    # the cache before the loop is only read inside it: keep it out of the carry (see kvjax.cache.chunked)
+    invariant, carry = family.decode_split(cache, num_steps)
+
+    def fwd(carry, tokens, n_valid):
+        logits, after = _forward(family, impl, params, config, family.decode_join(invariant, carry), tokens, n_valid)
+        return logits, family.decode_carry(after)
+
+    out = decode_loop(fwd, carry, first, cache.length, num_steps, seed, temperature, return_logprobs)
+    return (out[0], family.decode_merge(invariant, out[1])) + tuple(out[2:])
 
 
 def truncate_at_eos(tokens: np.ndarray, eos_token_ids) -> np.ndarray:

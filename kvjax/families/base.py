@@ -17,7 +17,11 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   the same over the full cache in the canonical verify arithmetic (the shape the reference decoder and VeriCache's
   verification share, bit for bit; aux is the family's by-product of it, e.g. queries for refreshing drafts, None
   when it has none); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the
-  state after a verify block rolled back to `keep_len[b]` tokens (masked, no reshape).
+  state after a verify block rolled back to `keep_len[b]` tokens (masked, no reshape); optionally
+  `decode_split(cache, rows) -> (invariant, carry)`, `decode_join(invariant, carry) -> cache`,
+  `decode_carry(cache) -> carry`, `decode_merge(invariant, carry) -> cache` — how a decode loop of `rows` steps
+  keeps the cache it only reads out of its carry (Llama: `kvjax.cache.chunked`); without them the loop carries
+  the whole cache.
 - the draft cache: a compressor (`compressor(name, **kw)`; names in `compressors`) is called as
   `compressor(params, config, full, prompt, *, recent_slots) -> draft`; a draft has `length`, `nbytes()`,
   `prompt_nbytes()` and `room()` (tokens it can take before a ring wraps or its capacity ends), and one pytree
@@ -65,6 +69,10 @@ class Family:
     forward: Callable[..., Any]
     verify_forward: Callable[..., Any]
     commit: Callable[..., Any]
+    decode_split: Callable[..., Any] | None = None
+    decode_join: Callable[..., Any] | None = None
+    decode_carry: Callable[..., Any] | None = None
+    decode_merge: Callable[..., Any] | None = None
     draft_forward: Callable[..., Any] | None = None
     draft_commit: Callable[..., Any] | None = None
     draft_split: Callable[..., Any] | None = None

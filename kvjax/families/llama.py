@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvjax import sharding
-from kvjax.cache import draft as draft_forms
+from kvjax.cache import chunked, draft as draft_forms
 from kvjax.compress import COMPRESSORS, make_compressor
 from kvjax.families.base import Family
 from kvjax.models.attention import make_attention_fn
@@ -15,7 +15,8 @@ from kvjax.prefix.layouts.llama import LlamaBlockLayout
 
 def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implementation: str | None = None):
     """`kvjax.models.llama.forward` with the attention implementation named."""
-    return model.forward(params, config, cache_, tokens, n_valid, attention_fn=make_attention_fn(implementation))
+    return model.forward(params, config, cache_, tokens, n_valid, attention_fn=make_attention_fn(implementation),
+                         implementation=implementation)
 
 
 LLAMA = Family(
@@ -32,6 +33,10 @@ LLAMA = Family(
     forward=forward,
     verify_forward=verify.verify_forward,
     commit=verify.commit,
+    decode_split=chunked.decode_split,
+    decode_join=chunked.decode_join,
+    decode_carry=chunked.decode_carry,
+    decode_merge=chunked.decode_merge,
     check_draft_len=verify.check_draft_len,
     draft_forward=draft.draft_forward,
     draft_commit=draft.draft_commit,

@@ -17,18 +17,24 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache.chunked import ChunkedKV
 from kvjax.cache.dense import ModelCache, WindowKV
 from kvjax.models.llama.cache import init_cache
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.attention import attention as dispatched_attention
+from kvjax.models.attention import attention_parts
 from kvjax.models.llama.layers import Params, decoder_stack, lm_head
 
 # attention(q [B,T,N,D], k [B,K,S,D], v, q_pos i32[B,T], k_pos i32[B,S] | [B,K,S], *, window) -> [B,T,N,D]
 AttentionFn = Callable[..., jax.Array]
 
 
-def _attend_layer(form, q, k, v, positions, n_valid, attention_fn):
+def _attend_layer(form, q, k, v, positions, n_valid, attention_fn, implementation=None):
     """Write the new k/v into this layer's form and attend. Returns (out [B, T, N, D], new form)."""
+    if isinstance(form, ChunkedKV):
+        # a decode loop's layer: the base is read in place, the new rows go to the chunk (kvjax.cache.chunked)
+        form = form.write(k, v, n_valid)
+        return attention_parts(q, form.parts(), positions, window=None, implementation=implementation), form
     if isinstance(form, WindowKV):
         # Attend over the ring as it was (old positions) plus the new chunk, then roll the chunk in.
         T = k.shape[1]
@@ -54,6 +60,7 @@ def forward(
     *,
     attention_fn: AttentionFn = dispatched_attention,
     return_hidden: bool = False,
+    implementation: str | None = None,
 ):
     """Run `T` new tokens per sequence through the model, appending them to `cache`.
 
@@ -66,6 +73,7 @@ def forward(
         attention_fn: attention implementation with `attend`'s signature (default: the dispatcher — Pallas on
             GPU, XLA on CPU).
         return_hidden: also return the final normalised hidden states [B, T, H].
+        implementation: the attention implementation of a decode loop's `ChunkedKV` layers (`attention_parts`).
 
     Returns:
         (logits f32[B, T, V], new cache) — and hidden states when asked.
@@ -76,7 +84,7 @@ def forward(
     positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
     def attend(i, form, q, k, v):
-        out, form = _attend_layer(form, q, k, v, positions, n_valid, attention_fn)
+        out, form = _attend_layer(form, q, k, v, positions, n_valid, attention_fn, implementation)
         return out, form, None
 
     h, layers, _ = decoder_stack(params, config, tokens, positions, cache.layers, attend)

@@ -1,0 +1,303 @@
+"""Benchmark: every step kind against its memory floor, and kvjax against what a user would run instead, one run.
+
+For each context length, on one held-out prompt of the checkpoint's corpus:
+  - prefill (tokens/s), full-cache decode (ms/token), the draft step of each compressor (ms/token), the verify at
+    x = 8 and x = 32 (ms per verify, and in full-cache decode steps), the offloaded verify's host->device transfer;
+  - for each: the bytes the step must read, the measured time, the floor = one XLA reduction (`jnp.sum`) over the same
+    number of bytes measured in the same run, and the ratio time / floor;
+  - the compression of the prompt into each draft cache, as a fraction of the prompt's prefill time;
+  - peers on the same checkpoint and prompt: Hugging Face transformers (PyTorch CPU, eager `generate`: prefill
+    tokens/s, decode ms/token) and llama.cpp through `llama-cpp-python` (GGUF f32 export written by this script)
+    when that package is installed — otherwise skipped with the reason printed.
+Prints a table, writes JSON (one record per step and context) and a plot of ms/token vs context (kvjax decode, its
+floor, the peers).
+
+Usage: python scripts/bench_roofline.py --context 8192,32768 --json docs/results/roofline.json
+       (--compressors streaming,kivi4 to keep a run short; --random for a random-weight model of the same shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvjax.arrays import tree_nbytes  # noqa: E402
+from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
+from kvjax.decode import draft as draft_mod  # noqa: E402
+from kvjax.decode import offload as offl  # noqa: E402
+from kvjax.decode import steps  # noqa: E402
+from kvjax.decode import verify as verify_mod  # noqa: E402
+from kvjax.decode.vericache import capacity_for  # noqa: E402
+from bench_common import bench_prompts, load_bench_model  # noqa: E402
+
+COMPRESSORS = {
+    "streaming": dict(ratio=4.0),
+    "snapkv": dict(ratio=4.0, obs_window=32),
+    "kvzip": dict(ratio=4.0, chunk=512),
+    "kivi4": dict(residual=128),
+    "kivi2": dict(residual=128),
+    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
+}
+QUANTIZED = ("kivi4", "kivi2", "dropquant")
+DECODE_STEPS = 32
+X_MAX = 32
+
+
+def copy(tree):
+    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+
+
+class Floor:
+    """Seconds one jitted `jnp.sum` takes over `nbytes` of f32 (best of 5), measured when asked, in this run."""
+
+    def __init__(self):
+        self._sum = jax.jit(jnp.sum)
+
+    def __call__(self, nbytes: int) -> float:
+        a = jnp.ones((max(int(nbytes) // 4, 1),), jnp.float32)
+        self._sum(a).block_until_ready()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            self._sum(a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        del a
+        return best
+
+
+def best_of(fn, reps: int) -> float:
+    """Best wall time of `reps` calls of fn (which returns something to block on)."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def record(rows, floor, context, step, seconds, nbytes, per="step", **extra):
+    fl = floor(nbytes)
+    r = dict(context=context, step=step, ms=seconds * 1e3, per=per, bytes=int(nbytes), floor_ms=fl * 1e3,
+             ratio=seconds / fl, **extra)
+    rows.append(r)
+    print(f"  {step:28s} {seconds * 1e3:9.2f} ms/{per:6s} {nbytes / 1e6:9.1f} MB  floor {fl * 1e3:8.2f} ms  "
+          f"ratio {seconds / fl:5.2f}" + "".join(f"  {k}={v:.3g}" if isinstance(v, float) else f"  {k}={v}"
+                                               for k, v in extra.items()), flush=True)
+    return r
+
+
+def bench_kvjax(model, prompt, compressors, floor, rows):
+    L = prompt.size
+    params, config, family, impl = model.params, model.config, model.family, model.attention
+    wbytes = tree_nbytes(params)
+    cap = capacity_for(L, DECODE_STEPS * 8, X_MAX)
+    # warm-up: compile the prefill chunk and the decode loop at this capacity on a short prompt
+    warm = family.init_cache(config, 1, cap, model.cache_dtype)
+    _, warm = steps.prefill(model, warm, prompt[:steps.DEFAULT_CHUNK + 1])
+    seed = jnp.zeros((1,), jnp.int32)
+    first = jnp.zeros((1,), jnp.int32)
+    jax.block_until_ready(steps.decode(params, config, warm, first, seed, num_steps=DECODE_STEPS, family=family,
+                                       impl=impl))
+    del warm
+
+    full = family.init_cache(config, 1, cap, model.cache_dtype)
+    t = time.perf_counter()
+    logits, full = steps.prefill(model, full, prompt)
+    jax.block_until_ready(full)
+    prefill_s = time.perf_counter() - t
+    chunks = -(-L // steps.DEFAULT_CHUNK)
+    kv_rows_read = sum(min((i + 1) * steps.DEFAULT_CHUNK, L) for i in range(chunks))
+    record(rows, floor, L, "prefill", prefill_s, chunks * wbytes + family.read_bytes(full, 1) * 0
+           + kv_rows_read * (family.read_bytes(full, 1) - family.read_bytes(full, 0)), per="prompt",
+           tokens_per_s=L / prefill_s, capacity=cap)
+    first = jnp.argmax(logits)[None].astype(jnp.int32)
+    kv_bytes = family.read_bytes(full, L)
+
+    decode_s = best_of(lambda: steps.decode(params, config, copy(full), first, seed, num_steps=DECODE_STEPS,
+                                            family=family, impl=impl)[0], 3) / DECODE_STEPS
+    # the copy inside the lambda is timed too: measure it alone and take it out
+    copy_s = best_of(lambda: copy(full), 3) / DECODE_STEPS
+    decode_s = max(decode_s - copy_s, 1e-9)
+    record(rows, floor, L, "full-cache decode", decode_s, wbytes + kv_bytes, per="token",
+           tokens_per_s=1 / decode_s)
+
+    vdraft = None
+    for name in compressors:
+        comp = family.make_compressor(name, **COMPRESSORS[name])
+        t = time.perf_counter()
+        dc = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
+        comp_s = time.perf_counter() - t
+        dc_bytes = dc.nbytes()
+        drafts, _, dc = draft_mod.draft_step(params, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+        jax.block_until_ready(drafts)
+
+        def one():
+            nonlocal dc
+            d, _, dc = draft_mod.draft_step(params, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+            return d
+
+        draft_s = best_of(one, 3) / X_MAX
+        record(rows, floor, L, f"draft step [{name}]", draft_s, wbytes + dc_bytes, per="token",
+               quantized=name in QUANTIZED, compress_s=comp_s, compress_vs_prefill=comp_s / prefill_s,
+               vs_decode=draft_s / decode_s)
+        vdraft = dc if vdraft is None else vdraft
+        if dc is not vdraft:
+            del dc
+
+    for x in (8, 32):
+        drafts = jnp.zeros((1, x), jnp.int32)
+        qlog = jnp.zeros((1, 1, config.vocab_size), jnp.float32)
+        state = {"dc": vdraft}
+
+        def verify():
+            out = verify_mod.verify_step(params, config, copy(full), state["dc"], first, drafts, qlog, seed,
+                                         family=family, impl=impl)
+            state["dc"] = out[3]
+            return out[0]
+
+        jax.block_until_ready(verify())
+        ver_s = max(best_of(verify, 3) - copy_s * DECODE_STEPS, 1e-9)
+        vdraft = state["dc"]
+        record(rows, floor, L, f"verify x={x}", ver_s, wbytes + kv_bytes, per="verify", decode_steps=ver_s / decode_s)
+
+    if family.offload_split is not None:
+        host_part, _ = family.offload_split(full, pick_capacity(DECODE_STEPS * 8 + X_MAX + 2, CAPACITY_BUCKETS))
+        host_part = jax.block_until_ready(offl.to_host(host_part))
+        moved = tree_nbytes(host_part)
+        h2d_s = best_of(lambda: offl.fetch(host_part), 3)
+        record(rows, floor, L, "offload h2d transfer", h2d_s, moved, per="verify", filled_bytes=int(kv_bytes),
+               moved_vs_filled=moved / max(kv_bytes, 1))
+    return prefill_s, decode_s
+
+
+def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_row_bytes):
+    """Hugging Face transformers, PyTorch CPU: prefill of the prompt, then `generate` continuing from its cache."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, DynamicCache
+    except ImportError as e:
+        print(f"  transformers: skipped ({e})")
+        return None
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor(prompt[None, :].astype(np.int64))
+    L = prompt.size
+    with torch.no_grad():
+        hf.generate(ids[:, :256], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        cache = DynamicCache()
+        t = time.perf_counter()
+        hf(ids[:, :-1], past_key_values=cache, use_cache=True)
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        hf.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=0)
+        decode_s = (time.perf_counter() - t) / new_tokens
+    record(rows, floor, L, "transformers prefill", prefill_s, wbytes, per="prompt", tokens_per_s=(L - 1) / prefill_s)
+    record(rows, floor, L, "transformers decode", decode_s, wbytes + L * kv_row_bytes, per="token",
+           tokens_per_s=1 / decode_s)
+    return prefill_s, decode_s
+
+
+def bench_llama_cpp(checkpoint, prompt, rows):
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        reason = ("llama-cpp-python is not installed (no binary wheel for this platform on the package index; its "
+                  "source build takes more than 10 minutes on this 2-core machine)")
+        print(f"  llama.cpp: skipped: {reason}")
+        rows.append(dict(context=int(prompt.size), step="llama.cpp", skipped=reason))
+        return None
+    print("  llama.cpp: llama-cpp-python is installed but the GGUF export is not implemented in this script yet")
+    return None
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for step, label, key in (("full-cache decode", "kvjax decode", "ms"), ("full-cache decode", "its floor", "floor_ms"),
+                             ("transformers decode", "transformers generate", "ms")):
+        pts = sorted((r["context"], r[key]) for r in rows if r.get("step") == step and key in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label, linestyle="--" if key == "floor_ms" else "-")
+    for r in rows:
+        if r.get("step", "").startswith("draft step") and "ms" in r:
+            ax.scatter([r["context"]], [r["ms"]], marker="x", s=20, color="gray")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms / token")
+    ax.set_title("decode: kvjax vs its memory floor and transformers (x: draft steps)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[bench] plot -> {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--random", action="store_true", help="a random-weight model of the checkpoint's shape")
+    ap.add_argument("--context", default="8192,32768", help="comma-separated prompt lengths")
+    ap.add_argument("--compressors", default=",".join(COMPRESSORS), help="comma-separated draft makers")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens the transformers peer generates")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
+    ap.add_argument("--json", default=None, help="write the records here (and a .png next to it)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.context.split(",") if c]
+    except ValueError:
+        ap.error(f"--context must be comma-separated integers, got {args.context!r}")
+    if not contexts or min(contexts) < 300:
+        ap.error(f"--context lengths must be at least 300 tokens, got {args.context!r}")
+    compressors = [c for c in args.compressors.split(",") if c]
+    unknown = [c for c in compressors if c not in COMPRESSORS]
+    if unknown:
+        ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(COMPRESSORS)})")
+
+    model, name = load_bench_model(args.model, args.random)
+    floor = Floor()
+    rows = []
+    print(f"[bench] {name}, backend {jax.default_backend()}, {os.cpu_count()} CPUs", flush=True)
+    for L in contexts:
+        prompt, source = bench_prompts(model, L, 1, args.seed)
+        prompt = prompt[0]
+        print(f"context {L} ({source}):", flush=True)
+        _, decode_s = bench_kvjax(model, prompt, compressors, floor, rows)
+        if not args.no_peers and name != "random-init":
+            kv_row = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim * 4
+            peer = bench_transformers(args.model, prompt, args.new_tokens, floor, rows, tree_nbytes(model.params),
+                                      kv_row)
+            if peer is not None:
+                rows.append(dict(context=L, step="kvjax vs transformers", decode_speedup=peer[1] / decode_s,
+                                 prefill_speedup=peer[0] / next(r["ms"] / 1e3 for r in rows
+                                                               if r["context"] == L and r["step"] == "prefill")))
+                print(f"  kvjax vs transformers: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
+                      f"{rows[-1]['prefill_speedup']:.2f}x", flush=True)
+            bench_llama_cpp(args.model, prompt, rows)
+    if args.json:
+        meta = dict(model=name, backend=jax.default_backend(), cpus=os.cpu_count(), contexts=contexts,
+                    compressors=compressors, decode_steps=DECODE_STEPS,
+                    floor="one jitted jnp.sum over the same number of f32 bytes, best of 5, same run")
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(dict(meta=meta, records=rows), f, indent=1)
+        print(f"[bench] json -> {args.json}")
+        plot(rows, os.path.splitext(args.json)[0] + ".png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
