@@ -185,6 +185,12 @@ def main(argv=None):
     seg_steps = 0
 
     def flush(final: bool = False):
+        nonlocal t_last
+        if pending:  # wait for the last step here, so the time it took is on the clock before any rate is printed
+            jax.block_until_ready(pending[-1][2])
+            now = time.perf_counter()
+            seg["train_s"] += now - t_last
+            t_last = now
         for s, c, loss in pending:
             log["loss"].append(dict(step=s, context=c, loss=round(float(loss), 4)))
         if pending:
@@ -245,14 +251,10 @@ def main(argv=None):
             seg["timed_tokens"] = seg.get("timed_tokens", 0) + ph.tokens_per_step
             seg["timed_flops"] = seg.get("timed_flops", 0.0) + flops
         if state["step"] % args.log_every == 0:
-            flush()  # its wait for the loss is compute time: it lands in the next step's interval
+            flush()
         if state["step"] % args.save_every == 0:
-            jax.block_until_ready(state["params"])
-            seg["train_s"] += time.perf_counter() - t_last
             save()
-            t_last = time.perf_counter()
-    jax.block_until_ready(state["params"])
-    seg["train_s"] += time.perf_counter() - t_last
+            t_last = time.perf_counter()  # saving is not training time
     done = state["step"] >= n_steps
     flush(final=done)
     save()
