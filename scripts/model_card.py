@@ -93,7 +93,8 @@ Reproduce: `python scripts/train_tiny.py {' '.join(run.get('argv', []))}`
 {_table("| segment start (UTC) | stop | steps | tokens | tokens/s | GFLOP/s | load avg start / stop |" + chr(10)
         + "|---|---|---|---|---|---|---|", seg_rows)}
 
-## Perplexity (shipped bf16 weights, f32 compute, last 512 tokens of each window, {log.get('eval_windows')} windows)
+## Perplexity (shipped bf16 weights, f32 compute, last 512 tokens of each window)
+Windows per context: {log.get('eval_windows_by_context') or log.get('eval_windows')}.
 Windows start at file boundaries of the split (`kvjax.data.corpus.long_prompts`) and run on through the following
 files.
 

@@ -135,7 +135,8 @@ def parse_args(argv):
     ap.add_argument("--export-to", default=None, help="export/evaluate into this folder even if phases remain")
     ap.add_argument("--no-export", action="store_true", help="never export or evaluate")
     ap.add_argument("--yarn-factor", type=float, default=8.0)
-    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768")
+    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768",
+                    help="CONTEXT[:WINDOWS],... (windows default to --eval-windows)")
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--eval-splits", default="heldout,val")
     ap.add_argument("--hybrid-config", default=None, help="JSON of DeepSeek-V4 config fields (deepseek_v4 only)")
@@ -278,9 +279,12 @@ def export_and_evaluate(args, cfg, state, log, tok):
     ppl = {}
     for split in [s for s in args.eval_splits.split(",") if s]:
         ppl[split] = {}
-        for c in [int(x) for x in args.eval_contexts.split(",") if x]:
+        for item in [x for x in args.eval_contexts.split(",") if x]:
+            c, _, n = item.partition(":")  # CONTEXT or CONTEXT:WINDOWS
+            c, n = int(c), int(n or args.eval_windows)
             t0 = time.perf_counter()
-            ppl[split][str(c)] = round(perplexity(model, tok, c, args.eval_windows, split=split), 3)
+            ppl[split][str(c)] = round(perplexity(model, tok, c, n, split=split), 3)
+            log.setdefault("eval_windows_by_context", {})[str(c)] = n
             print(f"{split} ppl @ {c}: {ppl[split][str(c)]}  ({time.perf_counter() - t0:.0f}s)", flush=True)
     final_loss = log["loss"][-1]["loss"] if log["loss"] else None
     segs = [s for s in log["segments"] if s.get("tokens_per_s")]
