@@ -88,7 +88,9 @@ tokens/s, {log.get('effective_gflops')} GFLOP/s effective (matmul flops of the m
 loss {log.get('final_loss')}. Training state (params, optimizer state, data position; resumable with `--resume`):
 `train_state/` in the run folder, {log.get('train_state_bytes', 0) / 2**20:.1f} MiB.
 
-Reproduce: `python scripts/train_tiny.py {' '.join(run.get('argv', []))}`
+Reproduce (`python scripts/build_corpus.py --out RUN_FOLDER` first), segment by segment:
+{chr(10).join(f"- `python scripts/train_tiny.py {' '.join(s.get('argv', []))}`" for s in log.get('segments', [])
+              if s.get('tokens')) or f"- `python scripts/train_tiny.py {' '.join(run.get('argv', []))}`"}
 
 {_table("| segment start (UTC) | stop | steps | tokens | tokens/s | GFLOP/s | load avg start / stop |" + chr(10)
         + "|---|---|---|---|---|---|---|", seg_rows)}

@@ -29,6 +29,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -275,6 +276,9 @@ def export_and_evaluate(args, cfg, state, log, tok):
     dest = args.export_to or args.out
     ship_cfg = with_long_context_rope(cfg, args.yarn_factor) if args.family == "llama" else cfg
     export_checkpoint(dest, args.family, ship_cfg, state["params"], args.tokenizer)
+    manifest = os.path.join(args.out, "corpus_manifest.json")  # written by build_corpus.py into the run folder
+    if os.path.exists(manifest) and os.path.abspath(dest) != os.path.abspath(args.out):
+        shutil.copy(manifest, os.path.join(dest, "corpus_manifest.json"))
     model = api.load(dest)
     ppl = {}
     for split in [s for s in args.eval_splits.split(",") if s]:
