@@ -2,8 +2,9 @@
 
     python scripts/build_corpus.py [--out checkpoints/kvjax-code-tiny]
 
-Writes <out>/corpus_manifest.json (Python version, rules, per-split file lists with sha256; the "tokenizer"
-section written by train_tokenizer.py is kept) and prints files / bytes / tokens / chars-per-token per split.
+Writes <out>/corpus_manifest.json (Python version, rules, per-split file lists with sha256, and per package — the
+standard library and each runtime dependency — its version, licence and file counts; the "tokenizer" section
+written by train_tokenizer.py is kept) and prints files / bytes / tokens / chars-per-token per split.
 Token counts need <out>/tokenizer.json (run scripts/train_tokenizer.py first); the token streams are cached
 under kvjax.data.corpus.cache_dir().
 """
@@ -30,7 +31,9 @@ def main(argv=None) -> None:
     if os.path.exists(os.path.join(args.out, "tokenizer.json")):
         from kvjax.tokenizer import Tokenizer
         tok = Tokenizer.from_dir(args.out)
-    print(f"Python {m['python_version']}; stdlib at {corpus.stdlib_root()}")
+    print(f"Python {m['python_version']}; stdlib at {corpus.stdlib_root()}; {len(m['packages']) - 1} dependency "
+          f"distributions" + (f" (not installed: {', '.join(m['dependencies_not_installed'])})"
+                              if m["dependencies_not_installed"] else ""))
     print(f"{'split':8s} {'files':>6s} {'MB':>8s} {'chars':>10s} {'tokens':>10s} {'chars/tok':>9s} {'s':>6s}")
     for name in corpus.SPLITS:
         s = m["splits"][name]

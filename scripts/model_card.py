@@ -12,7 +12,12 @@ import os
 import sys
 
 
+def _table(header: str, rows) -> str:
+    return header + "\n" + "\n".join(rows)
+
+
 def render(ckpt: str) -> str:
+    """Model card of the Llama-family code model trained by `train_tiny.py` (phases, segments, held-out ppl)."""
     with open(os.path.join(ckpt, "train_log.json")) as f:
         log = json.load(f)
     with open(os.path.join(ckpt, "config.json")) as f:
@@ -21,27 +26,37 @@ def render(ckpt: str) -> str:
     man = json.load(open(man_path)) if os.path.exists(man_path) else {}
     splits = man.get("splits", {})
 
-    def nfiles(name):
+    def split_desc(name):
         s = splits.get(name, {})
-        files = s.get("files") if isinstance(s, dict) else s
-        return len(files) if files is not None else "?"
+        return f"{s.get('n_files', '?')} files ({s.get('bytes', 0) / 1e6:.1f} MB)"
 
     kv_tok = log.get("kv_bytes_per_token_f32")
     w = log["weights_bytes_bf16"]
-    rows = "\n".join(f"| {k} | {v} |" for k, v in log["val_ppl"].items())
-    plain = log.get("val_ppl_without_rope_scaling") or {}
-    plain_rows = "\n".join(f"| {k} | {v} |" for k, v in plain.items())
-    rope = cfg.get("rope_parameters", {})
+    rope = cfg.get("rope_parameters", cfg.get("rope_scaling") or {})
     kv_lines = ""
     if kv_tok:
         kv_lines = (f"- KV cache: {kv_tok} bytes per token in f32 ({kv_tok // 2} in bf16); at 16K tokens "
                     f"{kv_tok * 16384 / 2**20:.0f} MiB, at 32K {kv_tok * 32768 / 2**20:.0f} MiB — "
                     f"{kv_tok * 32768 / (2 * w):.1f}× the f32 weights at 32K.\n")
+    run = log.get("runs", {})
+    packages = man.get("packages", {})
+    pkg_rows = [f"| {name} | {p['version']} | {p['licence']} | {p['files'].get('train', 0)} / "
+                f"{p['files'].get('val', 0)} / {p['files'].get('heldout', 0)} |" for name, p in packages.items()]
+    seg_rows = [f"| {s['start_utc']} | {s.get('stop_utc', '?')} | {s['start_step']}–{s.get('stop_step', '?')} | "
+                f"{s.get('tokens', 0):,} | {s.get('tokens_per_s')} | {s.get('effective_gflops')} | "
+                f"{s['load_avg_start'][0]:.1f} / {s.get('load_avg_stop', [float('nan')])[0]:.1f} |"
+                for s in log.get("segments", []) if s.get("tokens")]
+    by_split = log.get("ppl_by_split") or {"heldout": log.get("val_ppl", {})}
+    contexts = sorted({int(c) for v in by_split.values() for c in v})
+    ppl_rows = [f"| {c} | " + " | ".join(str(by_split[s].get(str(c), "–")) for s in by_split) + " |"
+                for c in contexts]
+    phase_text = ", then ".join(f"{p.split(':')[1]} tokens at {p.split(':')[0]}-token windows"
+                                for p in run.get("phases", "").split(",") if ":" in p)
     return f"""# kvjax-code-tiny
 
-A small Llama-family code model trained from scratch on the Python standard library, shipped so that kvjax runs
-with nothing to download and so that draft acceptance is measured on real attention patterns. It writes
-plausible-looking Python, not correct programs.
+A small Llama-family code model trained from scratch on Python source (the standard library and the pure-Python
+sources of kvjax's runtime dependencies), shipped so that kvjax runs with nothing to download and so that draft
+acceptance is measured on real attention patterns. It writes plausible-looking Python, not correct programs.
 
 ## Model
 - Architecture: `{cfg['model_type']}` ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, MLP
@@ -49,38 +64,46 @@ plausible-looking Python, not correct programs.
   dim {cfg['head_dim']}, tied embeddings, vocabulary {cfg['vocab_size']}).
 - Parameters: {log['params']:,} ({w / 2**20:.1f} MiB in bf16; `model.safetensors` and the Orbax checkpoint in
   `orbax/` hold bf16 weights).
-{kv_lines}- Positions: trained at {log['context']} tokens with RoPE θ = {rope.get('rope_theta')}; shipped with YaRN
-  (factor {rope.get('factor')}, original context {rope.get('original_max_position_embeddings')}) so 32K-token prompts
-  keep rotation angles the model has seen.
-- Tokenizer: byte-level BPE (`tokenizers`), {cfg['vocab_size']} entries, ChatML-style chat template.
+{kv_lines}- Positions: trained up to {log.get('trained_context')} tokens with RoPE θ = {rope.get('rope_theta')}; shipped
+  with YaRN (factor {rope.get('factor')}, original context {rope.get('original_max_position_embeddings')}) so
+  32K-token prompts keep rotation angles the model has seen.
+- Tokenizer: byte-level BPE (`tokenizers`), {cfg['vocab_size']} entries, ChatML-style chat template (unchanged from
+  the first release).
 
 ## Data
-Python {man.get('python_version', '?')} standard library (`*.py`, tests excluded), split by file with a hash of the
-relative path: {nfiles('train')} train files, {nfiles('val')} validation files, {nfiles('heldout')} held-out files
-(used for the long prompts of the demos and benchmarks). File lists and hashes: `corpus_manifest.json`.
+Python {man.get('python_version', '?')} standard library plus the `*.py` files of the installed runtime dependencies
+(tests excluded, files over 200 KB excluded, deduplicated by content), split by file with a hash of the path:
+train {split_desc('train')}, validation {split_desc('val')}, held-out {split_desc('heldout')}. Held-out files are
+never trained on; the stdlib held-out files are the long prompts of the demos and benchmarks. File lists, hashes,
+package versions and licences: `corpus_manifest.json`.
+
+{_table("| package | version | licence | files train / val / held-out |" + chr(10) + "|---|---|---|---|", pkg_rows)}
 
 ## Recipe
-AdamW (Optax; β = 0.9/0.95, weight decay 0.1, clip 1.0), peak LR {log['lr']}, warm-up then cosine decay,
-{log['steps']} steps of {log['tokens_per_step']} tokens: the first {int(log['short_fraction'] * 100)}% at
-{log['short_context']}-token windows, the rest at {log['context']}. f32 training on the 2-core CPU machine (JAX
-{log['jax']}, Python {log['python']}); training took {log['train_seconds'] / 60:.1f} min (whole script
-{log['total_seconds'] / 60:.1f} min, machine shared with other jobs). Final training loss {log['final_loss']:.3f}.
+AdamW (Optax; β = 0.9/0.95, weight decay 0.1, clip 1.0), peak LR {run.get('lr')}, warm-up then cosine decay over
+{log.get('total_steps')} steps of {run.get('tokens_per_step')} tokens: {phase_text}. f32 training on the 2-core
+CPU machine (JAX {log['jax']}, Python {log['python']}), shared with other jobs and run at nice 19.
+Trained {log.get('tokens_trained', 0):,} tokens in {log.get('train_seconds', 0) / 60:.1f} min: {log.get('tokens_per_s')}
+tokens/s, {log.get('effective_gflops')} GFLOP/s effective (matmul flops of the model, 3× forward). Final training
+loss {log.get('final_loss')}. Training state (params, optimizer state, data position; resumable with `--resume`):
+`train_state/` in the run folder, {log.get('train_state_bytes', 0) / 2**20:.1f} MiB.
 
-Reproduce: `python scripts/train_tiny.py {' '.join(log.get('argv', []))}`
+Reproduce (`python scripts/build_corpus.py --out RUN_FOLDER` first), segment by segment:
+{chr(10).join(f"- `python scripts/train_tiny.py {' '.join(s.get('argv', []))}`" for s in log.get('segments', [])
+              if s.get('tokens')) or f"- `python scripts/train_tiny.py {' '.join(run.get('argv', []))}`"}
 
-## Validation perplexity (shipped bf16 weights, f32 compute, last 512 tokens of each window)
-| context | perplexity |
-|---|---|
-{rows}
+{_table("| segment start (UTC) | stop | steps | tokens | tokens/s | GFLOP/s | load avg start / stop |" + chr(10)
+        + "|---|---|---|---|---|---|---|", seg_rows)}
 
-Longest / shortest context ratio: {log.get('ppl_ratio_longest_vs_2k')}.
-""" + (f"""
-Without rope scaling (same weights, plain RoPE):
+## Perplexity (shipped bf16 weights, f32 compute, last 512 tokens of each window)
+Windows per context: {log.get('eval_windows_by_context') or log.get('eval_windows')}.
+Windows start at file boundaries of the split (`kvjax.data.corpus.long_prompts`) and run on through the following
+files.
 
-| context | perplexity |
-|---|---|
-{plain_rows}
-""" if plain_rows else "")
+{_table("| context | " + " | ".join(by_split) + " |" + chr(10) + "|---|" + "---|" * len(by_split), ppl_rows)}
+
+Longest / shortest context ratio (held-out): {log.get('ppl_ratio_longest_vs_2k')}.
+"""
 
 
 def render_hybrid(ckpt: str) -> str:

@@ -29,6 +29,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -135,7 +136,8 @@ def parse_args(argv):
     ap.add_argument("--export-to", default=None, help="export/evaluate into this folder even if phases remain")
     ap.add_argument("--no-export", action="store_true", help="never export or evaluate")
     ap.add_argument("--yarn-factor", type=float, default=8.0)
-    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768")
+    ap.add_argument("--eval-contexts", default="2048,8192,16384,32768",
+                    help="CONTEXT[:WINDOWS],... (windows default to --eval-windows)")
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--eval-splits", default="heldout,val")
     ap.add_argument("--hybrid-config", default=None, help="JSON of DeepSeek-V4 config fields (deepseek_v4 only)")
@@ -185,6 +187,12 @@ def main(argv=None):
     seg_steps = 0
 
     def flush(final: bool = False):
+        nonlocal t_last
+        if pending:  # wait for the last step here, so the time it took is on the clock before any rate is printed
+            jax.block_until_ready(pending[-1][2])
+            now = time.perf_counter()
+            seg["train_s"] += now - t_last
+            t_last = now
         for s, c, loss in pending:
             log["loss"].append(dict(step=s, context=c, loss=round(float(loss), 4)))
         if pending:
@@ -245,14 +253,10 @@ def main(argv=None):
             seg["timed_tokens"] = seg.get("timed_tokens", 0) + ph.tokens_per_step
             seg["timed_flops"] = seg.get("timed_flops", 0.0) + flops
         if state["step"] % args.log_every == 0:
-            flush()  # its wait for the loss is compute time: it lands in the next step's interval
+            flush()
         if state["step"] % args.save_every == 0:
-            jax.block_until_ready(state["params"])
-            seg["train_s"] += time.perf_counter() - t_last
             save()
-            t_last = time.perf_counter()
-    jax.block_until_ready(state["params"])
-    seg["train_s"] += time.perf_counter() - t_last
+            t_last = time.perf_counter()  # saving is not training time
     done = state["step"] >= n_steps
     flush(final=done)
     save()
@@ -272,13 +276,19 @@ def export_and_evaluate(args, cfg, state, log, tok):
     dest = args.export_to or args.out
     ship_cfg = with_long_context_rope(cfg, args.yarn_factor) if args.family == "llama" else cfg
     export_checkpoint(dest, args.family, ship_cfg, state["params"], args.tokenizer)
+    manifest = os.path.join(args.out, "corpus_manifest.json")  # written by build_corpus.py into the run folder
+    if os.path.exists(manifest) and os.path.abspath(dest) != os.path.abspath(args.out):
+        shutil.copy(manifest, os.path.join(dest, "corpus_manifest.json"))
     model = api.load(dest)
     ppl = {}
     for split in [s for s in args.eval_splits.split(",") if s]:
         ppl[split] = {}
-        for c in [int(x) for x in args.eval_contexts.split(",") if x]:
+        for item in [x for x in args.eval_contexts.split(",") if x]:
+            c, _, n = item.partition(":")  # CONTEXT or CONTEXT:WINDOWS
+            c, n = int(c), int(n or args.eval_windows)
             t0 = time.perf_counter()
-            ppl[split][str(c)] = round(perplexity(model, tok, c, args.eval_windows, split=split), 3)
+            ppl[split][str(c)] = round(perplexity(model, tok, c, n, split=split), 3)
+            log.setdefault("eval_windows_by_context", {})[str(c)] = n
             print(f"{split} ppl @ {c}: {ppl[split][str(c)]}  ({time.perf_counter() - t0:.0f}s)", flush=True)
     final_loss = log["loss"][-1]["loss"] if log["loss"] else None
     segs = [s for s in log["segments"] if s.get("tokens_per_s")]

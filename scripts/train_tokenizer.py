@@ -53,7 +53,8 @@ def build(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
 def training_texts(max_bytes: int) -> tuple[list[str], list[str]]:
     """Train-split file pieces in path order until `max_bytes` of UTF-8 text; returns (texts, relpaths)."""
     texts, used, total = [], [], 0
-    for relpath, text in corpus.pieces("train"):
+    # The shipped tokenizer was trained on the standard library alone; keep it reproducible.
+    for relpath, text in corpus.pieces("train", stdlib_only=True):
         if total >= max_bytes:
             break
         texts.append(text)

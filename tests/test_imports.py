@@ -28,6 +28,7 @@ LAYERS = [
     ("kvjax.families",),
     ("kvjax.serve", "kvjax.remote", "kvjax.plots"),
     ("kvjax.api",),
+    ("kvjax.training",),  # trains and evaluates the bundled models through the public API
     ("kvjax",),  # the package's public face re-exports everything
     ("kvjax.cli",),
 ]

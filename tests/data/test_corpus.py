@@ -149,11 +149,13 @@ def _strings(x):
 def test_manifest_has_no_absolute_paths(files):
     m = corpus.manifest()
     root = corpus.stdlib_root()
-    home = os.path.expanduser("~").rstrip(os.sep) + os.sep  # as a folder: "/root" alone is a word in file names
     for s in _strings(m):
-        assert root not in s and not os.path.isabs(s) and home not in s, s
-    assert sum(m["splits"][k]["n_files"] for k in corpus.SPLITS) == sum(map(len, corpus.corpus_splits().values()))
+        assert root not in s and not os.path.isabs(s) and os.path.join(os.path.expanduser("~"), "") not in s, s
+    splits = corpus.corpus_splits()
+    assert all(m["splits"][k]["n_files"] == len(splits[k]) for k in corpus.SPLITS)
     assert all(len(d) == 64 for k in corpus.SPLITS for d in m["splits"][k]["files"].values())
+    stdlib = m["packages"]["python-stdlib"]["files"]
+    assert sum(stdlib.values()) <= len(files) and m["packages"]["numpy"]["licence"]
 
 
 def test_shipped_manifest_follows_the_split_rule():
@@ -165,3 +167,29 @@ def test_shipped_manifest_follows_the_split_rule():
         assert listed and all(corpus.split_of(f) == name and not corpus.is_excluded(f) for f in listed)
     for s in _strings(m):
         assert not os.path.isabs(s), s
+
+
+def test_runtime_dependencies_come_in_without_the_test_extra():
+    from kvjax.data import dependencies
+
+    dists, _ = dependencies.resolve()
+    assert {"jax", "numpy", "optax", "flax", "jinja2"} <= set(dists)
+    assert not {"pytest", "hypothesis", "torch", "transformers", "pytest-xdist"} & set(dists)
+    assert all(info["version"] and info["licence"] for info in dists.values())
+    keys = corpus.dependency_files()
+    assert keys and all(k.startswith("deps/") and not corpus.is_excluded(k[len("deps/"):]) for k in keys)
+    assert dependencies.package_of("deps/numpy/numpy/__init__.py") == "numpy"
+
+
+def test_corpus_is_deduplicated_and_held_out_text_is_never_trained_on(files):
+    import hashlib
+
+    splits = corpus.corpus_splits()
+    digests = {k: {hashlib.sha256(open(corpus.file_path(f), "rb").read()).hexdigest() for f in v}
+               for k, v in splits.items()}
+    assert sum(len(v) for v in digests.values()) == sum(len(v) for v in splits.values())  # no duplicate content
+    assert not digests["train"] & digests["heldout"] and not digests["train"] & digests["val"]
+    assert any(f.startswith("deps/") for f in splits["train"])
+    stdlib_heldout = corpus.split_files("heldout", stdlib_only=True)
+    assert stdlib_heldout and set(stdlib_heldout) <= set(splits["heldout"])  # the benchmark prompts' files
+    assert all(corpus.split_of(f) == name for name, v in splits.items() for f in v)
