@@ -264,7 +264,7 @@ def _batch_full(model, batch, max_new_tokens, sampling, seed, rule, budget_bytes
 
 # ------------------------------------------------------------------------------------------------ VeriCache
 def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                       compressor="streaming", draft_len: int = 8, offload: bool = False, temperature: float = 0.0,
+                       compressor=None, draft_len: int = 8, offload: bool = False, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
                        rejection: bool = False, adaptive: tuple | None = None, adaptive_policy: str = "cost",
                        recent_slots: int = 256,
@@ -272,7 +272,8 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
                        return_logits: bool = False, progress=None, budget_bytes: int | None = None):
     """Exact decoding with a lossy draft cache and full-cache verification (VeriCache), for any family.
 
-    Arguments as `generate`, plus `compressor` (one of `model.family.compressors` or a draft maker), `draft_len`
+    Arguments as `generate`, plus `compressor` (one of `model.family.compressors` or a draft maker; None: the
+    family's `default_compressor`), `draft_len`
     (x drafts per round, static), `offload` (full cache in host memory between verifications), `rejection`
     (speculative rejection sampling instead of position-keyed exact sampling), `adaptive` (a static set of x, e.g.
     `kvjax.decode.draft_length.DEFAULT_SET`) and `adaptive_policy` ("cost" or "grow_shrink"),

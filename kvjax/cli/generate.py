@@ -172,7 +172,7 @@ def _run_vericache(model, ids, args, text: TextStream):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     x = args.draft_len or 16
     vericache.check_draft_len(model, x)
-    comp = model.family.make_compressor(args.compressor or "streaming")
+    comp = model.family.make_compressor(args.compressor)
     from kvjax import api
 
     with progress_bar(ids.size, "prefill") as pbar:
@@ -308,7 +308,7 @@ def _run_batch(model, args) -> dict:
         gens = kvjax.generate(model, prompts, args.new_tokens, logprobs=args.logprobs, **kw)
         rows = [g.to_json() for g in gens]
     else:
-        res = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor or "streaming",
+        res = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor,
                                        draft_len=args.draft_len or 16, **kw)
         rows = [dict(text=model.tokenizer.decode(t.tolist(), skip_special_tokens=True) if model.tokenizer else None,
                      tokens=t.tolist(), finish_reason=s["finish_reason"], new_tokens=int(t.size)) for t, s in res]
@@ -364,7 +364,8 @@ def register(sub) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
     s.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
     v = g.add_argument_group("VeriCache (--mode vericache only)")
-    v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default streaming; DeepSeek-V4 models "
+    v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default: the model family's measured best, "
+                                                             "`model.family.default_compressor`; DeepSeek-V4 models "
                                                              "take streaming, kivi4, kivi2, dropquant)")
     v.add_argument("--draft-len", type=int, help=f"drafts per verification, 1..{MAX_DRAFT_LEN} (default 16)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")

@@ -64,7 +64,7 @@ def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
     return xs
 
 
-def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="streaming", draft_len: int = 8,
+def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=None, draft_len: int = 8,
                        offload: bool = False, temperature=0.0, seed: int = 0, rejection: bool = False,
                        adaptive: tuple | None = None, recent_slots: int = 256, compressor_kw: dict | None = None,
                        progress=None, return_logits: bool = False, should_stop=None, adaptive_policy: str = "cost"):
@@ -74,7 +74,8 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor="st
         model: a `kvjax.Model` of any family.
         prompt_ids: i32[P] prompt token ids.
         max_new_tokens: tokens to emit (a fixed length unless `should_stop` ends the run earlier).
-        compressor: a draft maker or one of `model.family.compressors` by name; `compressor_kw` are its fields.
+        compressor: a draft maker or one of `model.family.compressors` by name (None: the family's
+            `default_compressor`); `compressor_kw` are its fields.
         draft_len: x, tokens drafted per round (static).
         offload: keep the prompt's full state in pinned host memory between verifications.
         temperature: 0 = greedy; > 0 = position-keyed exact sampling (or rejection sampling when `rejection`); or a

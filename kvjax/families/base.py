@@ -86,6 +86,7 @@ class Family:
     prefix_layout: Callable[..., Any] | None = None
     check_draft_len: Callable[..., Any] | None = None
     shard_params: Callable[..., Any] | None = None
+    default_compressor: str = "streaming"  # the draft maker used when none is named (chosen by measurement)
 
     def require(self, field: str, feature: str) -> Callable[..., Any]:
         """The function `field`, or UnsupportedFeatureError naming this family and `feature`."""
@@ -95,7 +96,10 @@ class Family:
         return fn
 
     def make_compressor(self, name_or_compressor, **kw):
-        """A draft maker of this family by name (`compressors`), or the object itself when already one."""
+        """A draft maker of this family by name (`compressors`; None: `default_compressor`), or the object itself
+        when already one."""
+        if name_or_compressor is None:
+            name_or_compressor = self.default_compressor
         if not isinstance(name_or_compressor, str):
             return name_or_compressor
         make = self.require("compressor", "VeriCache draft caches")

@@ -98,7 +98,7 @@ class VeriCacheScheduler:
         temperature: 0 = greedy, > 0 = position-keyed sampling (exact in the same sense).
     """
 
-    def __init__(self, model, *, budget_bytes: int, compressor="streaming",
+    def __init__(self, model, *, budget_bytes: int, compressor=None,
                  compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
                  draft_chunk: int = 1, max_slots: int = 16, verify_slots: int = 1, recent_slots: int | None = None,
                  tail_capacity: int | None = None, temperature: float = 0.0):
