@@ -171,7 +171,8 @@ def main(argv=None):
                 raise SystemExit(f"--tokens-per-step {args.tokens_per_step} would move the run from phase "
                                  f"{state['phase']} to {p_idx}; resume with the tokens per step it was run with")
             state["step"] = step
-            state["opt_state"] = optax.tree_utils.tree_set(state["opt_state"], count=jnp.asarray(step, jnp.int32))
+            counted = optax.tree_utils.tree_set(state["opt_state"], count=jnp.asarray(step, jnp.int32))
+            state["opt_state"] = jax.tree.map(jnp.array, counted)  # one buffer per leaf: the step donates them
             print(f"tokens per step changed: continuing at step {step} of {n_steps}", flush=True)
     elif train_state.has_state(args.out):
         raise SystemExit(f"{args.out} already holds a training state; pass --resume to continue it or pick a new --out")
