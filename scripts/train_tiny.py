@@ -37,6 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -45,7 +46,7 @@ from kvjax.tokenizer import Tokenizer  # noqa: E402
 from kvjax.training import state as train_state  # noqa: E402
 from kvjax.training.flops import train_flops_per_token  # noqa: E402
 from kvjax.training.model_config import tiny_llama_config, with_long_context_rope  # noqa: E402
-from kvjax.training.phases import parse_phases, phase_at, total_steps  # noqa: E402
+from kvjax.training.phases import parse_phases, phase_at, step_for_tokens, total_steps  # noqa: E402
 from kvjax.training.step import make_optimizer, make_train_step  # noqa: E402
 from kvjax.training.windows import WindowSampler  # noqa: E402
 
@@ -161,6 +162,18 @@ def main(argv=None):
         state = train_state.restore_state(args.out, state)
         print(f"resumed at step {state['step']} (phase {state['phase']}, window {state['cursor']}, "
               f"{state['tokens']:,} tokens)", flush=True)
+        step = step_for_tokens(phases, state["tokens"])
+        if step != state["step"]:
+            # Resumed with another --tokens-per-step: continue by tokens, and move the optimizer's schedule and
+            # bias-correction counters to the same step so the LR curve follows the new step count.
+            p_idx, _ = phase_at(phases, step)
+            if p_idx != state["phase"]:
+                raise SystemExit(f"--tokens-per-step {args.tokens_per_step} would move the run from phase "
+                                 f"{state['phase']} to {p_idx}; resume with the tokens per step it was run with")
+            state["step"] = step
+            counted = optax.tree_utils.tree_set(state["opt_state"], count=jnp.asarray(step, jnp.int32))
+            state["opt_state"] = jax.tree.map(jnp.array, counted)  # one buffer per leaf: the step donates them
+            print(f"tokens per step changed: continuing at step {step} of {n_steps}", flush=True)
     elif train_state.has_state(args.out):
         raise SystemExit(f"{args.out} already holds a training state; pass --resume to continue it or pick a new --out")
     log.setdefault("runs", dict(argv=sys.argv[1:], phases=args.phases, tokens_per_step=args.tokens_per_step,

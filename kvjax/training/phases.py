@@ -69,3 +69,16 @@ def phase_at(phases: list[Phase], step: int) -> tuple[int, int]:
 
 def total_steps(phases: list[Phase]) -> int:
     return sum(p.steps for p in phases)
+
+
+def step_for_tokens(phases: list[Phase], tokens: int) -> int:
+    """The global step at which a run of `phases` has trained `tokens` tokens (rounded down to a whole step): where
+    a run resumed with a different `tokens_per_step` picks up, so its phases and schedule continue by tokens."""
+    step = 0
+    for i, p in enumerate(phases):
+        phase_tokens = p.steps * p.tokens_per_step
+        if tokens < phase_tokens or i == len(phases) - 1:
+            return step + tokens // p.tokens_per_step
+        tokens -= phase_tokens
+        step += p.steps
+    raise AssertionError("unreachable")
