@@ -16,6 +16,8 @@ from kvjax.cli.prompts import batch_prompts, single_prompt
 DEFAULT_MAX_NEW_TOKENS = 128  # == kvjax.api.DEFAULT_MAX_NEW_TOKENS (kept literal: --help must not import JAX)
 MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
 COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh")
+# drafts per verification when --draft-len is not given: the length the default draft maker was measured best at
+DEFAULT_DRAFT_LEN = 32
 VERICACHE_ONLY = ("compressor", "draft_len", "offload", "compare_full", "rejection")
 
 
@@ -170,7 +172,7 @@ def _run_vericache(model, ids, args, text: TextStream):
 
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
-    x = args.draft_len or 16
+    x = args.draft_len or DEFAULT_DRAFT_LEN
     vericache.check_draft_len(model, x)
     comp = model.family.make_compressor(args.compressor)
     from kvjax import api
@@ -243,7 +245,8 @@ def _compare_full(args, model, ids, g) -> dict:
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     with progress_bar(len(g), "reference decode (check)") as bar:
-        ref = vericache.reference_decode(model, ids, len(g), draft_len=args.draft_len or 16, temperature=sampling,
+        x = args.draft_len or DEFAULT_DRAFT_LEN
+        ref = vericache.reference_decode(model, ids, len(g), draft_len=x, temperature=sampling,
                                          seed=args.seed, progress=lambda k: bar.update(k - bar.n))
     identical = bool(np.array_equal(ref, g.tokens))
     with progress_bar(2, "full-cache decode (timing)") as bar:
@@ -309,7 +312,7 @@ def _run_batch(model, args) -> dict:
         rows = [g.to_json() for g in gens]
     else:
         res = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor,
-                                       draft_len=args.draft_len or 16, **kw)
+                                       draft_len=args.draft_len or DEFAULT_DRAFT_LEN, **kw)
         rows = [dict(text=model.tokenizer.decode(t.tolist(), skip_special_tokens=True) if model.tokenizer else None,
                      tokens=t.tolist(), finish_reason=s["finish_reason"], new_tokens=int(t.size)) for t, s in res]
     lines = [json.dumps(dict(index=i, **r)) for i, r in enumerate(rows)]
@@ -367,7 +370,7 @@ def register(sub) -> None:
     v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default: the model family's measured best, "
                                                              "`model.family.default_compressor`; DeepSeek-V4 models "
                                                              "take streaming, kivi4, kivi2, dropquant)")
-    v.add_argument("--draft-len", type=int, help=f"drafts per verification, 1..{MAX_DRAFT_LEN} (default 16)")
+    v.add_argument("--draft-len", type=int, help=f"drafts per verification, 1..{MAX_DRAFT_LEN} (default {DEFAULT_DRAFT_LEN})")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",
