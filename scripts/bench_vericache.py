@@ -124,6 +124,8 @@ def main(argv=None):
     prompts, source = bench_prompts(model, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
+    if not args.no_baselines:  # the MagicDec- and QuantSpec-style baselines draft with these two
+        names += [b for b in ("streaming", "kivi4") if b not in names and b in model.family.compressors]
     comps = {}
     for c in names:
         name, fields = parse_compressor(c)
@@ -136,8 +138,9 @@ def main(argv=None):
     contenders += [(f"vc[{c}]", c) for c in names]
     contenders += [(f"vc[{c}]+offload", c) for c in off]
     if not args.no_baselines:
-        contenders += [("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"),
-                       (f"vc-adaptive[{names[0]}]", names[0])]
+        contenders += [(n, c) for n, c in (("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"))
+                       if c in comps]
+        contenders += [(f"vc-adaptive[{names[0]}]", names[0])]
     acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[]) for n, _ in contenders}
     plain_agree, plain_margins = [], []
     compress_s = {}
