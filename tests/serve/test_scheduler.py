@@ -61,7 +61,7 @@ def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger, chu
     reqs, refs, F = workload
     # ~3 slots: fewer than the 6 requests, so some wait in the queue (continuous batching)
     s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, mode=mode, stagger=stagger,
-                               draft_chunk=chunk, compressor_kw=dict(ratio=4.0))
+                               draft_chunk=chunk, compressor="streaming", compressor_kw=dict(ratio=4.0))
     res = s.run(reqs)
     _check_exact(res, refs)
     st = res.stats
@@ -105,7 +105,7 @@ def test_sliding_model_kivi_mixed_lengths_exact(hf_model_dir):
 
 def test_no_recompiles_when_warm(llama, workload, compile_count):
     reqs, refs, F = workload
-    s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, compressor_kw=dict(ratio=4.0))
+    s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, compressor="streaming", compressor_kw=dict(ratio=4.0))
     s.run(reqs[:3])  # warm (the parametrized test above usually compiled these already)
     fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, verify.verify_offloaded)
     before = [compile_count(f) for f in fns]
@@ -156,7 +156,7 @@ def test_sampled_two_verify_slots_exact(llama, workload):
                                           seed=r.seed)
     refs = [vc.reference_decode(llama, r.prompt, r.max_new_tokens, draft_len=X, temperature=0.8, seed=r.seed)
             for r in reqs]
-    s = sch.VeriCacheScheduler(llama, budget_bytes=7 * F, draft_len=X, compressor_kw=dict(ratio=4.0),
+    s = sch.VeriCacheScheduler(llama, budget_bytes=7 * F, draft_len=X, compressor="streaming", compressor_kw=dict(ratio=4.0),
                                verify_slots=2, temperature=0.8, max_slots=3)
     res = s.run(reqs)
     _check_exact(res, refs)
