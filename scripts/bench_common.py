@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the model under test and its held-out prompts."""
+"""What the benchmark scripts share: the model under test, its held-out prompts and the static drafters' settings."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+# The six static drafters' settings every benchmark compares (4x budget; dropquant halves and quantizes).
+STATIC_DRAFTERS = {
+    "streaming": dict(ratio=4.0),
+    "snapkv": dict(ratio=4.0, obs_window=32),
+    "kvzip": dict(ratio=4.0, chunk=512),
+    "kivi4": dict(residual=128),
+    "kivi2": dict(residual=128),
+    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
+}
 
 
 def random_model(config, seed: int = 0, tokenizer=None):

@@ -37,16 +37,9 @@ from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
-from bench_common import bench_prompts, load_bench_model  # noqa: E402
+from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
-COMPRESSORS = {
-    "streaming": dict(ratio=4.0),
-    "snapkv": dict(ratio=4.0, obs_window=32),
-    "kvzip": dict(ratio=4.0, chunk=512),
-    "kivi4": dict(residual=128),
-    "kivi2": dict(residual=128),
-    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
-}
+COMPRESSORS = STATIC_DRAFTERS
 QUANTIZED = ("kivi4", "kivi2", "dropquant")
 DECODE_STEPS = 32
 X_MAX = 32

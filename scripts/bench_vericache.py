@@ -36,17 +36,9 @@ from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
-from bench_common import bench_prompts, load_bench_model  # noqa: E402
+from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
-COMPRESSORS = {
-    "streaming": dict(ratio=4.0),
-    "snapkv": dict(ratio=4.0, obs_window=32),
-    "kvzip": dict(ratio=4.0, chunk=512),
-    "kivi4": dict(residual=128),
-    "kivi2": dict(residual=128),
-    "dropquant": dict(ratio=2.0, bits=4, residual=128, chunk=512),
-    "refresh": dict(ratio=4.0),
-}
+COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0)}
 
 
 def parse_compressor(spec: str) -> tuple[str, dict]:
