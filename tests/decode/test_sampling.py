@@ -56,7 +56,7 @@ def llama(hf_model_dir):
     return load(hf_model_dir("llama")[1])
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])
 def test_sampled_vericache_equals_sampled_full_cache(llama, temperature):
     prompt = np.random.default_rng(4).integers(0, 97, 64).astype(np.int32)
     for seed in (0, 1):

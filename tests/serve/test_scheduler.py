@@ -91,6 +91,7 @@ def test_full_cache_batching_exact_and_budget(llama, workload):
     assert FullCacheScheduler(llama, budget_bytes=int(2.4 * F), draft_len=X).slots_for(prefilled)[0] == 2
 
 
+@pytest.mark.slow  # the sliding-window scheduler path also runs in test_remote_prefix and test_vericache
 def test_sliding_model_kivi_mixed_lengths_exact(hf_model_dir):
     """qwen2 (one full + sliding layers) with a quantized drafter; a shorter prompt is padded into the slot shape."""
     m = load(hf_model_dir("qwen2")[1])
