@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import threading
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from kvjax.model import Model
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.rope import RopeConfig
+from kvjax.remote import Link
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # the repository root
 CHECKPOINTS = os.path.join(REPO, "checkpoints")
@@ -181,3 +183,35 @@ def hf_logits(model, ids: np.ndarray, *, lowest_index_ties: bool = False) -> np.
             return model(torch.tensor(np.asarray(ids)[None], dtype=torch.long), use_cache=False).logits[0].numpy()
     finally:
         torch.Tensor.topk = topk
+
+
+def assert_pool_bookkeeping(pc) -> None:
+    """Every device pool's slots are used or free exactly once; no tier holds more entries than its capacity."""
+    with pc.lock:
+        for name, pool in pc.pools.items():
+            used = pc.members[name]["device"]
+            assert len(used) + len(pool.free) == pool.n
+            assert len({e.slot for e in used}) == len(used)
+            for tier in ("host", "store"):
+                assert len(pc.members[name][tier]) <= pc.caps[name][tier]
+
+
+class GatedLink(Link):
+    """Uncapped, but the background full-cache fetch waits for `gate` before its first byte crosses the link."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def reserve(self, nbytes):
+        if threading.current_thread().name == "kvjax-full-fetch":
+            self.gate.wait(30)
+        return super().reserve(nbytes)
+
+
+def assert_every_request_exact(res, refs) -> None:
+    """A scheduler run served every request, each token for token its reference decode, and counted their tokens."""
+    assert sorted(res.outputs) == list(range(len(refs)))
+    for i, ref in enumerate(refs):
+        np.testing.assert_array_equal(res.outputs[i], ref, err_msg=f"{res.name} request {i}")
+    assert res.tokens == sum(len(r) for r in refs)

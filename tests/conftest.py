@@ -11,14 +11,42 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py
 
 
+def pytest_configure(config):
+    """A compilation cache on disk for this run (removed at its end), shared by the test modules and the subprocesses
+    they start (the environment variables carry it).
+
+    Modules build the same tiny models and compile the same programs; after `_release_compiled_programs` drops them
+    from memory, a later module reloads an executable from disk instead of compiling it again (a cache hit still
+    fills the jitted function's own cache, so the tests that count compiled programs count the same). One directory
+    per xdist worker, so no two processes write the same files.
+    """
+    import shutil
+    import tempfile
+
+    if os.environ.get("KVJAX_TEST_COMPILE_CACHE") == "0":
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = tempfile.mkdtemp(prefix=f"kvjax-test-xla-cache-{worker}-")
+    config._kvjax_compile_cache = path
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    settings = {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    os.environ.update(settings)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)  # jax may already have read the environment
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program after each test module.
 
     XLA:CPU maps memory for each executable it loads; a single process that runs the whole suite keeps thousands of
     them (every module builds its own tiny models and shapes) and reached the kernel's limit on memory mappings
-    (vm.max_map_count, 65,530 by default): the next compile died with a segmentation fault. Modules do not share
-    programs, so releasing them between modules costs no recompiles within a module.
+    (vm.max_map_count, 65,530 by default): the next compile died with a segmentation fault. A program a later module
+    needs again comes back from the run's disk cache (`pytest_configure`), not from a new compile.
     """
     yield
     import gc

@@ -58,6 +58,22 @@ def cold():
 
 
 @pytest.fixture
+def stored(model, make_cache, run, prompt, tmp_path):
+    """(url, p, reopen): a 100-token prompt `p` prefilled through a store-only cache and flushed to the file store at
+    `url`; `reopen()` -> a new store-only cache over the same store (what a restarted server sees)."""
+    url = str(tmp_path / "store")
+    p = prompt(100)
+
+    def reopen():
+        return make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+
+    pc = reopen()
+    run(model, pc, p)
+    pc.flush()
+    return url, p, reopen
+
+
+@pytest.fixture
 def pins():
     """pins(pc) -> total pin count over every entry the cache knows (0 when no plan is alive)."""
 

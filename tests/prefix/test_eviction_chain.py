@@ -21,31 +21,40 @@ def _unreachable(pc):
     return out
 
 
-def test_extending_a_prompt_never_evicts_its_own_chain(model, make_cache, run, cold, prompt):
-    pc = make_cache(model, host_bytes=0)
-    dense = pc.specs["dense"]
+def _six_dense_blocks(model, make_cache):
+    """A cache whose device tier holds exactly 6 blocks of the dense (path) form, and no host tier."""
+    dense = make_cache(model, host_bytes=0).specs["dense"]
     assert dense.kind == PATH
-    pc = make_cache(model, device_bytes=2 * 6 * dense.nbytes, host_bytes=0)  # 6 dense blocks on the device
+    pc = make_cache(model, device_bytes=2 * 6 * dense.nbytes, host_bytes=0)
     assert pc.caps["dense"]["device"] == 6
+    return pc
+
+
+def _dense_reusable(model, pc, **prompts):
+    """{name: dense tokens a lookup of that prompt would reuse} (each lookup's lease released at once)."""
+    ns = model_namespace(model, pc)
+    reuse = {}
+    for name, t in prompts.items():
+        plan = pc.lookup(ns, t)
+        plan.lease.release()
+        reuse[name] = plan.forms["dense"].reusable
+    return reuse
+
+
+def test_extending_a_prompt_never_evicts_its_own_chain(model, make_cache, run, cold, prompt):
+    pc = _six_dense_blocks(model, make_cache)
     a = prompt(64)
     b = np.concatenate([a, prompt(48, seed=5)])  # a's 4 blocks + 3 more: only 2 slots are free
     run(model, pc, a)
     got, _ = run(model, pc, b)
     np.testing.assert_allclose(got, cold(model, b), atol=2e-5, rtol=0)
-    ns = model_namespace(model, pc)
-    reuse = {}
-    for name, t in (("a", a), ("b", b)):
-        plan = pc.lookup(ns, t)
-        plan.lease.release()
-        reuse[name] = plan.forms["dense"].reusable
+    reuse = _dense_reusable(model, pc, a=a, b=b)
     assert reuse == {"a": 64, "b": 64}, reuse
     assert _unreachable(pc) == []
 
 
 def test_a_request_does_not_evict_what_it_reads_even_at_low_priority(model, make_cache, run, cold, prompt):
-    pc = make_cache(model, host_bytes=0)
-    dense = pc.specs["dense"]
-    pc = make_cache(model, device_bytes=2 * 6 * dense.nbytes, host_bytes=0)
+    pc = _six_dense_blocks(model, make_cache)
     a = prompt(64)
     run(model, pc, a)  # 4 blocks, priority 0
     run(model, pc, prompt(32, seed=9), priority=1)  # 2 blocks that outrank a's: the pool is full
@@ -53,11 +62,6 @@ def test_a_request_does_not_evict_what_it_reads_even_at_low_priority(model, make
     got, plan = run(model, pc, b)
     assert plan.boundary == 64
     np.testing.assert_allclose(got, cold(model, b), atol=2e-5, rtol=0)
-    ns = model_namespace(model, pc)
-    reuse = {}
-    for name, t in (("a", a), ("b", b)):
-        plan = pc.lookup(ns, t)
-        plan.lease.release()
-        reuse[name] = plan.forms["dense"].reusable
+    reuse = _dense_reusable(model, pc, a=a, b=b)
     assert reuse == {"a": 64, "b": 80}, reuse
     assert _unreachable(pc) == []

@@ -37,16 +37,11 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_malformed_store_entry_is_a_counted_miss(model, make_cache, run, cold, prompt, tmp_path, store_files,
-                                                 capsys, damage):
-    url = str(tmp_path / "store")
-    p = prompt(100)
-    pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
-    run(model, pc, p)
-    pc.flush()
+def test_malformed_store_entry_is_a_counted_miss(model, stored, run, cold, store_files, capsys, damage):
+    url, p, reopen = stored
     victim = store_files(url, "dense")[0]
     DAMAGE[damage](victim)
-    pc2 = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+    pc2 = reopen()
     got, plan = run(model, pc2, p)
     np.testing.assert_allclose(got, cold(model, p), atol=2e-5, rtol=0)
     assert pc2.stats()["misses"]["capacity"]["corrupt"] > 0, pc2.stats()["misses"]

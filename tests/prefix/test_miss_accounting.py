@@ -53,17 +53,13 @@ def test_a_boundary_with_no_snapshot_taken_is_a_boundary_miss(model, make_cache,
     assert got == {("boundary", "no snapshot"): 16, ("compatibility", "token divergence"): 20}, got
 
 
-def test_a_replanned_request_is_counted_once(model, make_cache, run, cold, prompt, tmp_path, store_files):
-    url = str(tmp_path / "store")
-    p = prompt(100)
-    pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
-    run(model, pc, p)
-    pc.flush()
+def test_a_replanned_request_is_counted_once(model, stored, run, cold, store_files):
+    url, p, reopen = stored
     victim = store_files(url, "dense")[0]
     raw = bytearray(open(victim, "rb").read())
     raw[-2] ^= 0xFF
     open(victim, "wb").write(bytes(raw))
-    pc2 = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+    pc2 = reopen()
     got, plan = run(model, pc2, p)
     np.testing.assert_allclose(got, cold(model, p), atol=2e-5, rtol=0)
     st = pc2.stats()

@@ -58,16 +58,11 @@ def test_abandoned_plan_releases_its_pins(model, make_cache, run, prompt, pins):
     assert pins(pc) == 0
 
 
-def test_error_after_a_replan_releases_the_replanned_lease(model, make_cache, run, prompt, pins, tmp_path,
-                                                           store_files, monkeypatch):
-    url = str(tmp_path / "store")
-    p = prompt(100)
-    pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
-    run(model, pc, p)
-    pc.flush()
-    last = block_keys(model_namespace(model, pc).digest, p, 16)[-1].hex()
+def test_error_after_a_replan_releases_the_replanned_lease(model, stored, run, pins, store_files, monkeypatch):
+    url, p, reopen = stored
+    last = block_keys(model_namespace(model, reopen()).digest, p, 16)[-1].hex()
     _flip_all([f for f in store_files(url, "dense") if f.endswith(last)])  # the plan is re-made below block 5
-    pc2 = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)
+    pc2 = reopen()
 
     def broken_restore(*a, **k):
         raise KeyboardInterrupt  # anything at all, after the re-plan

@@ -17,7 +17,7 @@ from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.prefix.identity import make_namespace
 from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
-from builders import toy_config
+from builders import assert_pool_bookkeeping, toy_config
 from kvjax.models.layer_types import FULL, SLIDING
 
 P, W, CAP = 4, 4, 32
@@ -140,13 +140,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping(self):
         pc = self.pc
+        assert_pool_bookkeeping(pc)
         with pc.lock:
-            for name, pool in pc.pools.items():
-                used = pc.members[name]["device"]
-                assert len(used) + len(pool.free) == pool.n
-                assert len({e.slot for e in used}) == len(used)
-                for tier in ("host", "store"):
-                    assert len(pc.members[name][tier]) <= pc.caps[name][tier]
             for _, tree in pc.trees.values():
                 for blk in tree.iter_blocks():
                     for e in list(blk.path.values()) + list(blk.snap.values()):

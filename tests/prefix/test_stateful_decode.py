@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import kvjax
-from builders import toy_config, toy_model
+from builders import assert_pool_bookkeeping, toy_config, toy_model
 from kvjax.models.layer_types import FULL, SLIDING
 from kvjax.families import forms_for
 from kvjax.prefix.manager import PrefixCache
@@ -298,14 +298,7 @@ class DecodeMachine(RuleBasedStateMachine):
 
     @invariant()
     def bookkeeping(self):
-        pc = self.pc
-        with pc.lock:
-            for name, pool in pc.pools.items():
-                used = pc.members[name]["device"]
-                assert len(used) + len(pool.free) == pool.n
-                assert len({e.slot for e in used}) == len(used)
-                for tier in ("host", "store"):
-                    assert len(pc.members[name][tier]) <= pc.caps[name][tier]
+        assert_pool_bookkeeping(self.pc)
 
 
 def _run(min_ops: int, examples: int, steps: int) -> tuple[int, float]:

@@ -15,23 +15,11 @@ from kvjax import load
 from kvjax.decode import vericache as vc
 from kvjax.remote import CorruptEntry, Link, RemoteStore
 from kvjax.remote import draft_first as df
+from builders import GatedLink
 from kvjax.remote import prefix_entry as pe
 
 P, M, X, RING = 300, 24, 4, 48
 DRAFT = dict(compressor="streaming", compressor_kw={"ratio": 4.0}, recent_slots=RING, draft_len=X)
-
-
-class GatedLink(Link):
-    """Uncapped, but the background full-cache fetch waits for `gate` before its first byte crosses the link."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def reserve(self, nbytes):
-        if threading.current_thread().name == "kvjax-full-fetch":
-            self.gate.wait(30)
-        return super().reserve(nbytes)
 
 
 @pytest.fixture(scope="module")

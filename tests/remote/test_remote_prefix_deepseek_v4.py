@@ -9,30 +9,17 @@ import threading
 import jax
 import numpy as np
 import pytest
-from builders import make_v4
+from builders import GatedLink, make_v4
 
 import kvjax
 from kvjax.decode import steps
 from kvjax.decode import vericache as vc
-from kvjax.remote import Link, RemoteStore
+from kvjax.remote import RemoteStore
 from kvjax.remote import draft_first as df
 from kvjax.remote import prefix_entry as pe
 
 P, M, X = 40, 12, 4
 DRAFT = dict(compressor="streaming", compressor_kw={}, recent_slots=32, draft_len=X)
-
-
-class GatedLink(Link):
-    """Uncapped, but the background full-cache fetch waits for `gate` before its first byte crosses the link."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def reserve(self, nbytes):
-        if threading.current_thread().name == "kvjax-full-fetch":
-            self.gate.wait(30)
-        return super().reserve(nbytes)
 
 
 @pytest.fixture(scope="module")

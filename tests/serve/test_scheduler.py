@@ -17,6 +17,7 @@ from kvjax.serve import batch_steps as ss
 from kvjax.decode import vericache as vc
 from kvjax.serve.full_scheduler import FullCacheScheduler
 from kvjax.errors import BudgetError
+from builders import assert_every_request_exact
 
 X = 4
 
@@ -48,13 +49,6 @@ def workload(llama):
     return reqs, refs, F
 
 
-def _check_exact(res, refs):
-    assert sorted(res.outputs) == list(range(len(refs)))
-    for i, ref in enumerate(refs):
-        np.testing.assert_array_equal(res.outputs[i], ref, err_msg=f"{res.name} request {i}")
-    assert res.tokens == sum(len(r) for r in refs)
-
-
 @pytest.mark.parametrize("mode,stagger,chunk", [("staggered", "delay", 1), ("staggered", "shorten", 1),
                                                 ("staggered", "delay", 2), ("lockstep", "delay", 1)])
 def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger, chunk):
@@ -63,7 +57,7 @@ def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger, chu
     s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, mode=mode, stagger=stagger,
                                draft_chunk=chunk, compressor="streaming", compressor_kw=dict(ratio=4.0))
     res = s.run(reqs)
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     st = res.stats
     assert 1 <= st["slots"] < len(reqs)
     assert 0 < res.peak_measured_bytes <= res.budget_bytes
@@ -82,7 +76,7 @@ def test_vericache_modes_exact_within_budget(llama, workload, mode, stagger, chu
 def test_full_cache_batching_exact_and_budget(llama, workload):
     reqs, refs, F = workload
     res = FullCacheScheduler(llama, budget_bytes=int(2.2 * F), draft_len=X).run(reqs)
-    _check_exact(res, refs)  # plain one-token decode agrees with the verify-shape reference on this model
+    assert_every_request_exact(res, refs)  # plain one-token decode agrees with the verify-shape reference on this model
     # requests without a prefill need a whole full cache of admission scratch: one slot in 2.2 full caches
     assert res.stats["slots"] == 1
     assert 0 < res.peak_measured_bytes <= res.budget_bytes
@@ -100,7 +94,7 @@ def test_sliding_model_kivi_mixed_lengths_exact(hf_model_dir):
     s = sch.VeriCacheScheduler(m, budget_bytes=1 << 22, draft_len=X, compressor="kivi4",
                                compressor_kw=dict(residual=16), max_slots=2)
     res = s.run(reqs)
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     assert res.stats["slots"] == 2
 
 
@@ -111,7 +105,7 @@ def test_no_recompiles_when_warm(llama, workload, compile_count):
     fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, verify.verify_offloaded)
     before = [compile_count(f) for f in fns]
     res = s.run(reqs)
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     assert [compile_count(f) for f in fns] == before
 
 
@@ -160,6 +154,6 @@ def test_sampled_two_verify_slots_exact(llama, workload):
     s = sch.VeriCacheScheduler(llama, budget_bytes=7 * F, draft_len=X, compressor="streaming", compressor_kw=dict(ratio=4.0),
                                verify_slots=2, temperature=0.8, max_slots=3)
     res = s.run(reqs)
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     assert res.stats["slots"] == 3
     assert F * 2 <= res.peak_measured_bytes <= res.budget_bytes  # two full caches were on the device at once

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import make_v4
+from builders import assert_every_request_exact, make_v4
 
 import kvjax
 from kvjax.decode import vericache as vc
@@ -47,13 +47,6 @@ def workload(model):
     return reqs, refs, F
 
 
-def _check_exact(res, refs):
-    assert sorted(res.outputs) == list(range(len(refs)))
-    for i, ref in enumerate(refs):
-        np.testing.assert_array_equal(res.outputs[i], ref, err_msg=f"{res.name} request {i}")
-    assert res.tokens == sum(len(r) for r in refs)
-
-
 # A V4 draft row is a full-size masked copy and a tail holds ~1/m of a capacity bucket of entries, each larger than
 # the host part F at these tiny sizes: 9 F holds the verification pool and 2 slots, fewer than the 4 requests.
 BUDGET = 9
@@ -70,16 +63,16 @@ def test_schedulers_exact_within_budget_and_warm(model, workload, compile_count)
     before = [compile_count(f) for f in fns]
     res = s.run(reqs)
     assert [compile_count(f) for f in fns] == before
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     st = res.stats
     assert 1 <= st["slots"] < len(reqs)  # some requests wait in the queue
     assert 0 < res.peak_measured_bytes <= res.budget_bytes and res.peak_reserved_bytes <= res.budget_bytes
     assert st["verifications"] == sum(st["verifies_per_iteration"])
 
     res = sch.VeriCacheScheduler(model, budget_bytes=BUDGET * F, draft_len=X, mode="lockstep").run(reqs)
-    _check_exact(res, refs)
+    assert_every_request_exact(res, refs)
     assert max(res.stats["verifies_per_iteration"]) == res.stats["slots"]
 
     res = FullCacheScheduler(model, budget_bytes=BUDGET * F, draft_len=X).run(reqs)
-    _check_exact(res, refs)  # the plain batched one-token forward agrees with the verify-shape reference here
+    assert_every_request_exact(res, refs)  # the plain batched one-token forward agrees with the verify-shape reference here
     assert res.stats["slots"] >= 1 and 0 < res.peak_measured_bytes <= res.budget_bytes
