@@ -45,6 +45,13 @@ def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
     return jnp.where(L <= C, short, long).astype(jnp.int32)
 
 
+def sinks_and_recent_part(form, length: jax.Array, sinks: int, recent: int) -> SparseKV:
+    """The exact keys and values of a layer's sinks and last `recent` prompt tokens, as one sparse part (what the
+    quantizing drafters keep at full precision)."""
+    pos = sinks_and_recent(length, sinks, recent)
+    return SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
+
+
 def protected_mask(length: jax.Array, S: int, sinks: int, recent: int) -> jax.Array:
     """bool[B, S]: slot is a sink or among the last `recent` prompt tokens."""
     s = jnp.arange(S)[None, :]

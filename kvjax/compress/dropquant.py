@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache.draft import QuantizedKV, SparseKV
-from kvjax.compress.base import Compressor, gather_tokens, protected_mask, round_up, sinks_and_recent, topk_positions
+from kvjax.cache.draft import QuantizedKV
+from kvjax.compress.base import (Compressor, gather_tokens, protected_mask, round_up, sinks_and_recent_part,
+                                 topk_positions)
 from kvjax.compress.kvzip import kvzip_scores
 from kvjax.compress.snapkv import SnapKV
 
@@ -33,8 +34,7 @@ class DropQuantize(Compressor):
         return {"scores": kvzip_scores(params, config, full, prompt, chunk=self.chunk)}
 
     def layer_parts(self, i, form, length, prompt_len, data):
-        dense_pos = sinks_and_recent(length, self.sinks, self.residual)
-        dense = SparseKV(k=gather_tokens(form.k, dense_pos), v=gather_tokens(form.v, dense_pos), pos=dense_pos)
+        dense = sinks_and_recent_part(form, length, self.sinks, self.residual)
         n_mid = prompt_len - self.sinks - self.residual
         if n_mid <= 0:
             return (dense,)

@@ -12,8 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.cache.draft import QuantizedKV, SparseKV
-from kvjax.compress.base import Compressor, gather_tokens, round_up, sinks_and_recent
+from kvjax.cache.draft import QuantizedKV
+from kvjax.compress.base import Compressor, gather_tokens, round_up, sinks_and_recent_part
 
 
 def middle_positions(length, sinks: int, residual: int, slots: int):
@@ -33,8 +33,7 @@ class KIVI(Compressor):
         object.__setattr__(self, "name", f"kivi{self.bits}")
 
     def layer_parts(self, i, form, length, prompt_len, data):
-        dense_pos = sinks_and_recent(length, self.sinks, self.residual)
-        dense = SparseKV(k=gather_tokens(form.k, dense_pos), v=gather_tokens(form.v, dense_pos), pos=dense_pos)
+        dense = sinks_and_recent_part(form, length, self.sinks, self.residual)
         n_mid = prompt_len - self.sinks - self.residual
         if n_mid <= 0:
             return (dense,)
