@@ -15,10 +15,11 @@ from kvjax.cli.prompts import batch_prompts, single_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128  # == kvjax.api.DEFAULT_MAX_NEW_TOKENS (kept literal: --help must not import JAX)
 MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
+ADAPTIVE_SET = (2, 4, 8, 16, 32)  # == kvjax.decode.draft_length.DEFAULT_SET (this module imports no JAX)
 COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh")
 # drafts per verification when --draft-len is not given: the length the default draft maker was measured best at
 DEFAULT_DRAFT_LEN = 32
-VERICACHE_ONLY = ("compressor", "draft_len", "offload", "compare_full", "rejection")
+VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "offload", "compare_full", "rejection")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -57,6 +58,11 @@ def check_args(args) -> None:
             raise CliError("--rejection needs --temperature > 0")
         if args.offload and args.tp * args.dp > 1:
             raise CliError("--offload cannot be combined with --tp/--dp (host offload is single-device)")
+        if args.adaptive and args.prompts_file:
+            raise CliError("--adaptive takes one prompt, not a --prompts-file batch")
+        if args.adaptive and (args.draft_len or DEFAULT_DRAFT_LEN) not in ADAPTIVE_SET:
+            raise CliError(f"--adaptive starts at --draft-len, which must be one of {list(ADAPTIVE_SET)}, "
+                           f"got {args.draft_len}")
         if args.compare_full and args.prompts_file:
             raise CliError("--compare-full checks one prompt, not a --prompts-file batch")
     if args.prefix_store and args.prompts_file:
@@ -173,25 +179,29 @@ def _run_vericache(model, ids, args, text: TextStream):
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     x = args.draft_len or DEFAULT_DRAFT_LEN
-    vericache.check_draft_len(model, x)
+    xs = ADAPTIVE_SET if args.adaptive else (x,)
+    for xi in xs:
+        vericache.check_draft_len(model, xi)
     comp = model.family.make_compressor(args.compressor)
     from kvjax import api
 
     with progress_bar(ids.size, "prefill") as pbar:
-        last, full, plan = api.prefill(model, ids, vericache.capacity_for(ids.size, n, x),
+        last, full, plan = api.prefill(model, ids, vericache.capacity_for(ids.size, n, max(xs)),
                                        prefix_cache=args.prefix_cache, on_chunk=lambda d: pbar.update(d - pbar.n))
         first = vericache.first_token(last, ids.size, jnp.asarray([args.seed], jnp.int32), sampling)
     prefix = _prefix_report(plan)
     kw = dict(compressor=comp, draft_len=x, offload=args.offload, temperature=sampling, seed=args.seed,
-              rejection=args.rejection)
+              rejection=args.rejection, adaptive=xs if args.adaptive else None)
     warm_s = 0.0
     if args.warmup and n > 1:
         # compile the draft/verify steps on a copy first: the full-cache figure (`--compare-full`) is timed compiled,
         # so VeriCache's must be too
         t0 = time.perf_counter()
-        with progress_bar(1, "warm-up (compile)") as wbar:
-            vericache.run_vericache(model, jax.tree.map(jnp.copy, full), first, ids, min(n, 2 * x + 2), **kw)
-            wbar.update(1)
+        with progress_bar(len(xs), "warm-up (compile)") as wbar:
+            for xi in xs:  # every draft length an adaptive run may pick
+                vericache.run_vericache(model, jax.tree.map(jnp.copy, full), first, ids, min(n, 2 * xi + 2),
+                                        **{**kw, "draft_len": xi, "adaptive": None})
+                wbar.update(1)
         warm_s = time.perf_counter() - t0
         log(f"warm-up (compile) {warm_s:.1f}s")
     deltas = DeltaBuilder(rule, n)
@@ -371,6 +381,9 @@ def register(sub) -> None:
                                                              "`model.family.default_compressor`; DeepSeek-V4 models "
                                                              "take streaming, kivi4, kivi2, dropquant)")
     v.add_argument("--draft-len", type=int, help=f"drafts per verification, 1..{MAX_DRAFT_LEN} (default {DEFAULT_DRAFT_LEN})")
+    v.add_argument("--adaptive", action="store_true",
+                   help=f"pick each round's draft length from {list(ADAPTIVE_SET)} by the measured acceptance and "
+                        "step times (starts at --draft-len)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

@@ -68,6 +68,26 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
     assert "summary: mode=vericache" in cap.err
 
 
+def test_generate_vericache_adaptive_draft_length(model_dir, tmp_path, capsys):
+    """--adaptive: each round's x comes from the CLI's set (kept equal to the engine's), output still identical."""
+    from kvjax.cli.generate import ADAPTIVE_SET
+    from kvjax.decode.draft_length import DEFAULT_SET
+
+    assert ADAPTIVE_SET == DEFAULT_SET
+    out = tmp_path / "r.json"
+    rc = cli.main(["generate", "--model", model_dir, "--prompt", "def parse(text):\n    return", "--mode",
+                   "vericache", "--adaptive", "--draft-len", "4", "--new-tokens", "20", "--ignore-eos",
+                   "--compare-full", "--json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(out.read_text())
+    assert res["identical_to_full_cache"] is True and res["new_tokens"] == 20
+    assert set(res["draft_lengths"]) <= set(DEFAULT_SET)
+    assert cli.main(["generate", "--model", model_dir, "--prompt", "x", "--mode", "vericache", "--adaptive",
+                     "--draft-len", "5"]) == 2
+    assert "--adaptive starts at --draft-len, which must be one of" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~40 s of compiling on the 2-core CPU; the flags are family-generic, each V4 piece is tested alone
 def test_generate_vericache_offload_hybrid_checkpoint(tmp_path, capsys):
     """The bundled DeepSeek-V4 checkpoint through the same flags: offloaded VeriCache, identical to full-cache
