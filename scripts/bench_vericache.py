@@ -9,7 +9,8 @@ only (compression is reported apart). Contenders:
   - vc[c]+off:   the same with the prompt's full KV in pinned host memory;
   - magicdec:    StreamingLLM drafter, resident, short draft (x = 4) — MagicDec-style;
   - quantspec:   4-bit KIVI drafter, resident, x = 8 — QuantSpec-style;
-  - vc-adaptive: adaptive x over (8, 16, 32).
+  - vc-adaptive: draft length per round by the cost model over (2, 4, 8, 16, 32) (`--adaptive` names the drafters;
+    default: the first of `--compressors`).
 Writes JSON (one record per contender: name, tokens_per_s, speedup_vs_full, identical_fraction,
 mean_accepted_per_round, draft_bytes_ratio, ...), prints a table, the ideal speedup predicted from measured
 per-phase costs and acceptance, and draws a PNG.
@@ -36,6 +37,7 @@ from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
+from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
 from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0)}
@@ -102,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--draft-len", type=int, default=32)
     ap.add_argument("--compressors", default="streaming,snapkv,kvzip,kivi4,kivi2,dropquant")
     ap.add_argument("--offload", default="kvzip", help="compressors also run offloaded (comma list, or 'none')")
+    ap.add_argument("--adaptive", default=None, help="drafters also run with adaptive x (comma list; default: the "
+                                                      "first of --compressors)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the MagicDec/QuantSpec/adaptive configs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_vericache.json")
@@ -110,7 +114,7 @@ def main(argv=None):
 
     model, _ = load_bench_model(args.checkpoint, args.random)
     M, x = args.new_tokens, args.draft_len
-    xs_adapt = (8, 16, 32)
+    xs_adapt = DEFAULT_SET
     xmax = max(x, *xs_adapt, 8)
     P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
     prompts, source = bench_prompts(model, P, args.prompts, args.seed)
@@ -132,7 +136,8 @@ def main(argv=None):
     if not args.no_baselines:
         contenders += [(n, c) for n, c in (("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"))
                        if c in comps]
-        contenders += [(f"vc-adaptive[{names[0]}]", names[0])]
+        adaptive = [c for c in (args.adaptive or names[0]).split(",") if c in names]
+        contenders += [(f"vc-adaptive[{c}]", c) for c in adaptive]
     acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[]) for n, _ in contenders}
     plain_agree, plain_margins = [], []
     compress_s = {}
@@ -171,7 +176,12 @@ def main(argv=None):
                     elif name.startswith("quantspec"):
                         kw["draft_len"] = 8
                     elif name.startswith("vc-adaptive"):
-                        kw.update(draft_len=16, adaptive=xs_adapt)
+                        kw.update(draft_len=8, adaptive=xs_adapt)
+                        if warm and _ == 0:  # compile every length it may pick, so no timed round compiles
+                            for xi in xs_adapt:
+                                vc.run_vericache(model, copy(full), first, prompt, min(M, 2 * xi + 2),
+                                                 draft_cache=copy(drafts[c]), **{**kw, "draft_len": xi,
+                                                                                 "adaptive": None})
                     toks, st = vc.run_vericache(model, copy(full), first, prompt, M, draft_cache=copy(drafts[c]), **kw)
                     dt = st["decode_s"]
             results[name] = toks
