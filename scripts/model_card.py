@@ -16,6 +16,18 @@ def _table(header: str, rows) -> str:
     return header + "\n" + "\n".join(rows)
 
 
+def _trained_phases(log: dict, run: dict) -> str:
+    """What the run actually trained, by window length, from its per-step loss log (segments may re-plan phases)."""
+    per_step = run.get("tokens_per_step") or 0
+    counts: dict[int, int] = {}
+    for entry in log.get("loss", []):
+        counts[entry["context"]] = counts.get(entry["context"], 0) + 1
+    if not counts or not per_step:
+        return ", then ".join(f"{p.split(':')[1]} tokens at {p.split(':')[0]}-token windows"
+                              for p in run.get("phases", "").split(",") if ":" in p)
+    return ", then ".join(f"{n} steps ({n * per_step:,} tokens) at {c}-token windows" for c, n in sorted(counts.items()))
+
+
 def render(ckpt: str) -> str:
     """Model card of the Llama-family code model trained by `train_tiny.py` (phases, segments, held-out ppl)."""
     with open(os.path.join(ckpt, "train_log.json")) as f:
@@ -50,8 +62,7 @@ def render(ckpt: str) -> str:
     contexts = sorted({int(c) for v in by_split.values() for c in v})
     ppl_rows = [f"| {c} | " + " | ".join(str(by_split[s].get(str(c), "–")) for s in by_split) + " |"
                 for c in contexts]
-    phase_text = ", then ".join(f"{p.split(':')[1]} tokens at {p.split(':')[0]}-token windows"
-                                for p in run.get("phases", "").split(",") if ":" in p)
+    phase_text = _trained_phases(log, run)
     return f"""# kvjax-code-tiny
 
 A small Llama-family code model trained from scratch on Python source (the standard library and the pure-Python
@@ -81,7 +92,8 @@ package versions and licences: `corpus_manifest.json`.
 
 ## Recipe
 AdamW (Optax; β = 0.9/0.95, weight decay 0.1, clip 1.0), peak LR {run.get('lr')}, warm-up then cosine decay over
-{log.get('total_steps')} steps of {run.get('tokens_per_step')} tokens: {phase_text}. f32 training on the 2-core
+the {log.get('total_steps')} steps the last segment planned, {log.get('steps_done')} of them run, of {run.get('tokens_per_step')}
+tokens: {phase_text}. f32 training on the 2-core
 CPU machine (JAX {log['jax']}, Python {log['python']}), shared with other jobs and run at nice 19.
 Trained {log.get('tokens_trained', 0):,} tokens in {log.get('train_seconds', 0) / 60:.1f} min: {log.get('tokens_per_s')}
 tokens/s, {log.get('effective_gflops')} GFLOP/s effective (matmul flops of the model, 3× forward). Final training
