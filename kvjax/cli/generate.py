@@ -18,7 +18,8 @@ MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
 ADAPTIVE_SET = (2, 4, 8, 16, 32)  # == kvjax.decode.draft_length.DEFAULT_SET (this module imports no JAX)
 COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh")
 # drafts per verification when --draft-len is not given: the length the default draft maker was measured best at
-DEFAULT_DRAFT_LEN = 32
+DEFAULT_DRAFT_LEN = 32  # a fixed draft length where adaptation is not available (--prompts-file batches)
+ADAPTIVE_START = 8  # the first round's draft length of an adaptive run without --draft-len
 VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "offload", "compare_full", "rejection")
 
 
@@ -60,7 +61,7 @@ def check_args(args) -> None:
             raise CliError("--offload cannot be combined with --tp/--dp (host offload is single-device)")
         if args.adaptive and args.prompts_file:
             raise CliError("--adaptive takes one prompt, not a --prompts-file batch")
-        if args.adaptive and (args.draft_len or DEFAULT_DRAFT_LEN) not in ADAPTIVE_SET:
+        if args.adaptive and (args.draft_len or ADAPTIVE_START) not in ADAPTIVE_SET:
             raise CliError(f"--adaptive starts at --draft-len, which must be one of {list(ADAPTIVE_SET)}, "
                            f"got {args.draft_len}")
         if args.compare_full and args.prompts_file:
@@ -178,8 +179,11 @@ def _run_vericache(model, ids, args, text: TextStream):
 
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
-    x = args.draft_len or DEFAULT_DRAFT_LEN
-    xs = ADAPTIVE_SET if args.adaptive else (x,)
+    # measured (README): adapting x beats every fixed x on the bundled checkpoint, so it is what a run without
+    # --draft-len does; --draft-len alone asks for that fixed length
+    adaptive = args.adaptive or args.draft_len is None
+    x = args.draft_len or ADAPTIVE_START
+    xs = ADAPTIVE_SET if adaptive else (x,)
     for xi in xs:
         vericache.check_draft_len(model, xi)
     comp = model.family.make_compressor(args.compressor)
@@ -191,7 +195,7 @@ def _run_vericache(model, ids, args, text: TextStream):
         first = vericache.first_token(last, ids.size, jnp.asarray([args.seed], jnp.int32), sampling)
     prefix = _prefix_report(plan)
     kw = dict(compressor=comp, draft_len=x, offload=args.offload, temperature=sampling, seed=args.seed,
-              rejection=args.rejection, adaptive=xs if args.adaptive else None)
+              rejection=args.rejection, adaptive=xs if adaptive else None)
     warm_s = 0.0
     if args.warmup and n > 1:
         # compile the draft/verify steps on a copy first: the full-cache figure (`--compare-full`) is timed compiled,
@@ -255,7 +259,7 @@ def _compare_full(args, model, ids, g) -> dict:
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     with progress_bar(len(g), "reference decode (check)") as bar:
-        x = args.draft_len or DEFAULT_DRAFT_LEN
+        x = args.draft_len or ADAPTIVE_START
         ref = vericache.reference_decode(model, ids, len(g), draft_len=x, temperature=sampling,
                                          seed=args.seed, progress=lambda k: bar.update(k - bar.n))
     identical = bool(np.array_equal(ref, g.tokens))
@@ -338,7 +342,8 @@ def _run_batch(model, args) -> dict:
 def summary(result: dict) -> str:
     """The one-line summary printed on stderr after a run."""
     keys = ("mode", "family", "prompt_tokens", "new_tokens", "finish_reason", "tokens_per_s",
-            "full_cache_tokens_per_s", "mean_accepted_per_round", "identical_to_full_cache", "seconds", "prompts")
+            "full_cache_tokens_per_s", "mean_accepted_per_round", "mean_x", "identical_to_full_cache", "seconds",
+            "prompts")
     parts = [f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}"
              for k in keys if k in result and result[k] is not None]
     if result.get("tokens_per_s") and result.get("full_cache_tokens_per_s"):
@@ -380,10 +385,12 @@ def register(sub) -> None:
     v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default: the model family's measured best, "
                                                              "`model.family.default_compressor`; DeepSeek-V4 models "
                                                              "take streaming, kivi4, kivi2, dropquant)")
-    v.add_argument("--draft-len", type=int, help=f"drafts per verification, 1..{MAX_DRAFT_LEN} (default {DEFAULT_DRAFT_LEN})")
+    v.add_argument("--draft-len", type=int,
+                   help=f"a fixed number of drafts per verification, 1..{MAX_DRAFT_LEN} (default: adaptive from "
+                        f"{ADAPTIVE_START}; a --prompts-file batch: {DEFAULT_DRAFT_LEN})")
     v.add_argument("--adaptive", action="store_true",
                    help=f"pick each round's draft length from {list(ADAPTIVE_SET)} by the measured acceptance and "
-                        "step times (starts at --draft-len)")
+                        "step times, starting at --draft-len (the default when --draft-len is not given)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

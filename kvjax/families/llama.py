@@ -45,9 +45,10 @@ LLAMA = Family(
     draft_join=draft_forms.draft_join,
     compressor=make_compressor,
     compressors=COMPRESSORS,
-    # measured (scripts/bench_vericache.py, bundled checkpoint, x = 32, 8K and 32K): 4-bit KIVI accepts 27 of 32
-    # drafts per round against 9-14 for the best sparse drafter (refresh), and was the fastest drafter in both runs
-    default_compressor="kivi4",
+    # measured on the v2 checkpoint (README "VeriCache"): with x adapted per round, the refreshing drafter ran the
+    # main command (16K) fastest, and it accepts the most of the sparse drafters at a fixed x = 32; 4-bit KIVI accepts
+    # more (24-28 of 32) but each of its draft steps costs most of a full-cache step on XLA:CPU
+    default_compressor="refresh",
     offload_split=offload.offload_split,
     offload_join=offload.offload_join,
     offload_update=offload.offload_update,
