@@ -70,7 +70,8 @@ class _Live:
     prompt_len: int
     tail_bytes: int
     out: list
-    rounds: int = 0  # verifications so far (a refreshing draft re-selects every `period`-th)
+    rounds: int = 0  # verifications so far
+    since_refresh: tuple = (0, 0)  # (verifications, drafted tokens) since a refreshing draft last re-selected
 
     @property
     def need(self) -> int:
@@ -272,7 +273,9 @@ class VeriCacheScheduler:
             temperature=self.temperature, family=fam, impl=self.model.attention)
         spec = getattr(self.batch, "refresh", None)
         r.rounds += 1
-        if spec is not None and r.rounds % spec.period == 0:
+        r.since_refresh = (r.since_refresh[0] + 1, r.since_refresh[1] + self.x)
+        if spec is not None and spec.due(*r.since_refresh):
+            r.since_refresh = (0, 0)
             # re-select from the full cache just fetched for the verification: no extra transfer
             row = refresh_step(row, scratch, aux, family=fam)
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)

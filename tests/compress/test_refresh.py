@@ -18,16 +18,26 @@ def _prompt(n=120, seed=0):
     return np.random.default_rng(seed).integers(0, 97, n).astype(np.int32)
 
 
-KW = dict(ratio=4.0, block=8, recent_blocks=2, obs_window=8)
+KW = dict(ratio=4.0, block=8, recent_blocks=2, obs_window=8, min_drafts=0)  # min_drafts 0: every `period`-th round
+
+
+def test_refresh_is_due_after_period_rounds_and_min_drafts():
+    spec = RefreshSpec(block=4, budget_blocks=4, sink_blocks=1, recent_blocks=1, period=2, min_drafts=16)
+    assert not spec.due(1, 32)  # one verification: period 2 not reached
+    assert not spec.due(3, 12)  # three short rounds of x = 4: too few drafts
+    assert spec.due(4, 16) and spec.due(2, 64)
+    assert Refresh().spec(1000).min_drafts == 16  # the default: adaptive x down to 2-4 re-selects every ~16 drafts
 
 
 @pytest.mark.parametrize("name,offload,temperature,period", [
-    ("llama", False, 0.0, 1), ("llama", True, 0.8, 1), ("qwen2", False, 0.0, 2), ("mistral", True, 0.0, 1)])
+    ("llama", False, 0.0, 1), ("llama", True, 0.8, 1), ("qwen2", False, 0.0, 2), ("mistral", True, 0.0, 1),
+    ("llama", False, 0.0, None)])  # None: the default schedule (re-select once 16 tokens were drafted)
 def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
     m = kvjax.load(hf_model_dir(name)[1])
     p = _prompt(seed=1)
     ref, ref_lg = kvjax.reference_decode(m, p, 24, draft_len=4, temperature=temperature, seed=2, return_logits=True)
-    out, st, lg = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=dict(KW, period=period),
+    kw = dict(KW, period=period) if period is not None else {k: v for k, v in KW.items() if k != "min_drafts"}
+    out, st, lg = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=kw,
                                            draft_len=4, offload=offload, temperature=temperature, seed=2,
                                            ignore_eos=True, return_logits=True)
     np.testing.assert_array_equal(out, ref)
