@@ -162,7 +162,7 @@ def main(argv=None):
         for name, c in contenders:
             if name == "reference":
                 continue
-            for _ in range(2 if warm else 1):
+            for rep in range(2 if warm else 1):
                 if name == "full":
                     toks, dt = plain_full(model, copy(full), first, M)
                     st = {}
@@ -177,7 +177,7 @@ def main(argv=None):
                         kw["draft_len"] = 8
                     elif name.startswith("vc-adaptive"):
                         kw.update(draft_len=8, adaptive=xs_adapt)
-                        if warm and _ == 0:  # compile every length it may pick, so no timed round compiles
+                        if warm and rep == 0:  # compile every length it may pick, so no timed round compiles
                             for xi in xs_adapt:
                                 vc.run_vericache(model, copy(full), first, prompt, min(M, 2 * xi + 2),
                                                  draft_cache=copy(drafts[c]), **{**kw, "draft_len": xi,

@@ -25,7 +25,8 @@ def _trained_phases(log: dict, run: dict) -> str:
     if not counts or not per_step:
         return ", then ".join(f"{p.split(':')[1]} tokens at {p.split(':')[0]}-token windows"
                               for p in run.get("phases", "").split(",") if ":" in p)
-    return ", then ".join(f"{n} steps ({n * per_step:,} tokens) at {c}-token windows" for c, n in sorted(counts.items()))
+    return ", then ".join(f"{n} steps ({n * per_step:,} tokens) at {c}-token windows"
+                          for c, n in sorted(counts.items()))
 
 
 def render(ckpt: str) -> str:
@@ -92,8 +93,8 @@ package versions and licences: `corpus_manifest.json`.
 
 ## Recipe
 AdamW (Optax; β = 0.9/0.95, weight decay 0.1, clip 1.0), peak LR {run.get('lr')}, warm-up then cosine decay over
-the {log.get('total_steps')} steps the last segment planned, {log.get('steps_done')} of them run, of {run.get('tokens_per_step')}
-tokens: {phase_text}. f32 training on the 2-core
+the {log.get('total_steps')} steps the last segment planned, {log.get('steps_done')} of them run, of
+{run.get('tokens_per_step')} tokens: {phase_text}. f32 training on the 2-core
 CPU machine (JAX {log['jax']}, Python {log['python']}), shared with other jobs and run at nice 19.
 Trained {log.get('tokens_trained', 0):,} tokens in {log.get('train_seconds', 0) / 60:.1f} min: {log.get('tokens_per_s')}
 tokens/s, {log.get('effective_gflops')} GFLOP/s effective (matmul flops of the model, 3× forward). Final training

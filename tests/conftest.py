@@ -27,7 +27,6 @@ def pytest_configure(config):
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     path = tempfile.mkdtemp(prefix=f"kvjax-test-xla-cache-{worker}-")
-    config._kvjax_compile_cache = path
     config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
     settings = {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

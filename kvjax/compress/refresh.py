@@ -52,6 +52,12 @@ class RefreshSpec:
         selection: short adaptive rounds (x = 2, 4) would otherwise pay a re-selection every few tokens."""
         return rounds_since >= self.period and drafts_since >= self.min_drafts
 
+    def after_verify(self, since: tuple[int, int], drafted: int) -> tuple[bool, tuple[int, int]]:
+        """One verification of `drafted` drafts happened: (re-select now?, the (verifications, drafted tokens)
+        counters to carry into the next round) — the one schedule rule of `run_vericache` and the scheduler."""
+        since = (since[0] + 1, since[1] + drafted)
+        return (True, (0, 0)) if self.due(*since) else (False, since)
+
 
 def select_blocks(mass: jax.Array, end: jax.Array, spec: RefreshSpec) -> jax.Array:
     """Token positions i32[B, K, budget] of the top blocks among blocks wholly or partly below `end[b]` (ascending;

@@ -178,7 +178,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     x = draft_len
     t_start = time.perf_counter()
     spec = getattr(dcache, "refresh", None)
-    since = (0, 0)
+    since = (0, 0)  # (verifications, drafted tokens) since the refreshing draft last re-selected
     policy = make_policy(adaptive_policy, xs) if len(xs) > 1 else None
     while len(out) < max_new_tokens:
         ta = time.perf_counter()
@@ -204,11 +204,11 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         n_host = int(n[0])
         new = np.asarray(emitted[0, :n_host + 1])
         td = time.perf_counter()
-        since = (since[0] + 1, since[1] + x)  # (verifications, drafted tokens) since the last re-selection
-        if spec is not None and spec.due(*since):
-            dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
-            jax.block_until_ready(dcache)
-            since = (0, 0)
+        if spec is not None:
+            reselect, since = spec.after_verify(since, x)
+            if reselect:
+                dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
+                jax.block_until_ready(dcache)
         del committed
         te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round

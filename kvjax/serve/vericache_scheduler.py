@@ -70,7 +70,6 @@ class _Live:
     prompt_len: int
     tail_bytes: int
     out: list
-    rounds: int = 0  # verifications so far
     since_refresh: tuple = (0, 0)  # (verifications, drafted tokens) since a refreshing draft last re-selected
 
     @property
@@ -272,10 +271,10 @@ class VeriCacheScheduler:
             row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
             temperature=self.temperature, family=fam, impl=self.model.attention)
         spec = getattr(self.batch, "refresh", None)
-        r.rounds += 1
-        r.since_refresh = (r.since_refresh[0] + 1, r.since_refresh[1] + self.x)
-        if spec is not None and spec.due(*r.since_refresh):
-            r.since_refresh = (0, 0)
+        reselect = False
+        if spec is not None:
+            reselect, r.since_refresh = spec.after_verify(r.since_refresh, self.x)
+        if reselect:
             # re-select from the full cache just fetched for the verification: no extra transfer
             row = refresh_step(row, scratch, aux, family=fam)
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)

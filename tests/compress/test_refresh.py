@@ -26,6 +26,8 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
     assert not spec.due(1, 32)  # one verification: period 2 not reached
     assert not spec.due(3, 12)  # three short rounds of x = 4: too few drafts
     assert spec.due(4, 16) and spec.due(2, 64)
+    assert spec.after_verify((3, 12), 4) == (True, (0, 0))  # the fourth round of 4 drafts re-selects and resets
+    assert spec.after_verify((0, 0), 4) == (False, (1, 4))
     assert Refresh().spec(1000).min_drafts == 16  # the default: adaptive x down to 2-4 re-selects every ~16 drafts
 
 
