@@ -29,6 +29,25 @@ def _trained_phases(log: dict, run: dict) -> str:
                           for c, n in sorted(counts.items()))
 
 
+def _same_tokens_section(log: dict) -> str:
+    """The table of perplexity of the same tokens at each context (whether longer context helps), if measured."""
+    same = log.get("ppl_same_tokens")
+    if not same:
+        return ""
+    contexts = sorted({int(c) for v in same.values() for c in v})
+    rows = [f"| {c} | " + " | ".join(str(same[s].get(str(c), "–")) for s in same) + " |" for c in contexts]
+    table = _table("| context kept | " + " | ".join(same) + " |" + chr(10) + "|---|" + "---|" * len(same), rows)
+    return f"""
+### The same tokens at each context
+The rows above score different tokens (a longer window ends further into the split). Here the last 512 tokens of
+{log.get('ppl_same_tokens_windows')} windows of {contexts[-1]} tokens are scored with only the last `context kept`
+tokens before them (`kvjax.training.evaluate.perplexity_by_context`): lower down the table means the model uses the
+longer context.
+
+{table}
+"""
+
+
 def render(ckpt: str) -> str:
     """Model card of the Llama-family code model trained by `train_tiny.py` (phases, segments, held-out ppl)."""
     with open(os.path.join(ckpt, "train_log.json")) as f:
@@ -116,7 +135,7 @@ files.
 {_table("| context | " + " | ".join(by_split) + " |" + chr(10) + "|---|" + "---|" * len(by_split), ppl_rows)}
 
 Longest / shortest context ratio (held-out): {log.get('ppl_ratio_longest_vs_2k')}.
-"""
+{_same_tokens_section(log)}"""
 
 
 def render_hybrid(ckpt: str) -> str:

@@ -141,6 +141,9 @@ def parse_args(argv):
                     help="CONTEXT[:WINDOWS],... (windows default to --eval-windows)")
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--eval-splits", default="heldout,val")
+    ap.add_argument("--eval-same-tokens", default="2048,8192,16384",
+                    help="CONTEXT,...: also score the same tokens (ends of windows of the longest) at each context")
+    ap.add_argument("--eval-same-windows", type=int, default=4)
     ap.add_argument("--hybrid-config", default=None, help="JSON of DeepSeek-V4 config fields (deepseek_v4 only)")
     return ap.parse_args(argv)
 
@@ -283,7 +286,7 @@ def main(argv=None):
 
 def export_and_evaluate(args, cfg, state, log, tok):
     from kvjax import api
-    from kvjax.training.evaluate import perplexity
+    from kvjax.training.evaluate import perplexity, perplexity_by_context
     from kvjax.training.export import export_checkpoint
 
     dest = args.export_to or args.out
@@ -303,6 +306,16 @@ def export_and_evaluate(args, cfg, state, log, tok):
             ppl[split][str(c)] = round(perplexity(model, tok, c, n, split=split), 3)
             log.setdefault("eval_windows_by_context", {})[str(c)] = n
             print(f"{split} ppl @ {c}: {ppl[split][str(c)]}  ({time.perf_counter() - t0:.0f}s)", flush=True)
+    same_contexts = sorted(int(c) for c in args.eval_same_tokens.split(",") if c)
+    if same_contexts:
+        same = {}
+        for split in [s for s in args.eval_splits.split(",") if s]:
+            t0 = time.perf_counter()
+            got = perplexity_by_context(model, tok, same_contexts, args.eval_same_windows, split=split)
+            same[split] = {str(c): round(v, 3) for c, v in got.items()}
+            print(f"{split} ppl of the same tokens by context: {same[split]}  ({time.perf_counter() - t0:.0f}s)",
+                  flush=True)
+        log.update(ppl_same_tokens=same, ppl_same_tokens_windows=args.eval_same_windows)
     final_loss = log["loss"][-1]["loss"] if log["loss"] else None
     segs = [s for s in log["segments"] if s.get("tokens_per_s")]
     log.update(val_ppl=ppl.get("heldout", next(iter(ppl.values()), {})), ppl_by_split=ppl,

@@ -61,3 +61,15 @@ def test_model_card_matches_training_log():
     for ctx, ppl in log["val_ppl"].items():
         assert f"| {ctx} | {ppl} |" in card
     assert f"{log['params']:,}" in card
+
+
+def test_perplexity_by_context_scores_the_same_tokens(model):
+    """At the longest context it is the plain windowed perplexity of the same windows; shorter contexts score the
+    same tokens from truncated windows, so they differ (the text before the scored tokens changes the logits)."""
+    from kvjax.training.evaluate import perplexity, perplexity_by_context
+
+    by_ctx = perplexity_by_context(model, model.tokenizer, [64, 256], 2, scored=48, seed=3)
+    plain = perplexity(model, model.tokenizer, 256, 2, scored=48, seed=3)
+    np.testing.assert_allclose(by_ctx[256], plain, rtol=1e-9)
+    assert by_ctx[64] != by_ctx[256]
+    assert all(np.isfinite(v) and v > 1 for v in by_ctx.values())
