@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -17,16 +18,23 @@ def _table(header: str, rows) -> str:
 
 
 def _trained_phases(log: dict, run: dict) -> str:
-    """What the run actually trained, by window length, from its per-step loss log (segments may re-plan phases)."""
+    """What the run actually trained, phase by phase in step order, from its per-step loss log (segments may
+    re-plan phases, and a later phase may return to a window length an earlier one used)."""
     per_step = run.get("tokens_per_step") or 0
-    counts: dict[int, int] = {}
-    for entry in log.get("loss", []):
-        counts[entry["context"]] = counts.get(entry["context"], 0) + 1
-    if not counts or not per_step:
+    steps = sorted(log.get("loss", []), key=lambda e: e["step"])
+    phases = [(c, len(list(run_of))) for c, run_of in itertools.groupby(e["context"] for e in steps)]
+    if not phases or not per_step:
         return ", then ".join(f"{p.split(':')[1]} tokens at {p.split(':')[0]}-token windows"
                               for p in run.get("phases", "").split(",") if ":" in p)
-    return ", then ".join(f"{n} steps ({n * per_step:,} tokens) at {c}-token windows"
-                          for c, n in sorted(counts.items()))
+    return ", then ".join(f"{n} steps ({n * per_step:,} tokens) at {c}-token windows" for c, n in phases)
+
+
+def _context_table(first_column: str, by_split: dict) -> str:
+    """A markdown table of {split: {context: perplexity}}: a row per context, a column per split."""
+    contexts = sorted({int(c) for v in by_split.values() for c in v})
+    rows = [f"| {c} | " + " | ".join(str(by_split[s].get(str(c), "–")) for s in by_split) + " |" for c in contexts]
+    return _table(f"| {first_column} | " + " | ".join(by_split) + " |" + chr(10) + "|---|" + "---|" * len(by_split),
+                  rows)
 
 
 def _same_tokens_section(log: dict) -> str:
@@ -34,17 +42,15 @@ def _same_tokens_section(log: dict) -> str:
     same = log.get("ppl_same_tokens")
     if not same:
         return ""
-    contexts = sorted({int(c) for v in same.values() for c in v})
-    rows = [f"| {c} | " + " | ".join(str(same[s].get(str(c), "–")) for s in same) + " |" for c in contexts]
-    table = _table("| context kept | " + " | ".join(same) + " |" + chr(10) + "|---|" + "---|" * len(same), rows)
+    longest = max(int(c) for v in same.values() for c in v)
     return f"""
 ### The same tokens at each context
-The rows above score different tokens (a longer window ends further into the split). Here the last 512 tokens of
-{log.get('ppl_same_tokens_windows')} windows of {contexts[-1]} tokens are scored with only the last `context kept`
+The rows above score different tokens (a longer window ends further into the split). Here the last
+{log.get('eval_scored_tokens', 512)} tokens of {log.get('ppl_same_tokens_windows')} windows of {longest} tokens are scored with only the last `context kept`
 tokens before them (`kvjax.training.evaluate.perplexity_by_context`): lower down the table means the model uses the
 longer context.
 
-{table}
+{_context_table("context kept", same)}
 """
 
 
@@ -79,9 +85,6 @@ def render(ckpt: str) -> str:
                 f"{s['load_avg_start'][0]:.1f} / {s.get('load_avg_stop', [float('nan')])[0]:.1f} |"
                 for s in log.get("segments", []) if s.get("tokens")]
     by_split = log.get("ppl_by_split") or {"heldout": log.get("val_ppl", {})}
-    contexts = sorted({int(c) for v in by_split.values() for c in v})
-    ppl_rows = [f"| {c} | " + " | ".join(str(by_split[s].get(str(c), "–")) for s in by_split) + " |"
-                for c in contexts]
     phase_text = _trained_phases(log, run)
     return f"""# kvjax-code-tiny
 
@@ -132,7 +135,7 @@ Windows per context: {log.get('eval_windows_by_context') or log.get('eval_window
 Windows start at file boundaries of the split (`kvjax.data.corpus.long_prompts`) and run on through the following
 files.
 
-{_table("| context | " + " | ".join(by_split) + " |" + chr(10) + "|---|" + "---|" * len(by_split), ppl_rows)}
+{_context_table("context", by_split)}
 
 Longest / shortest context ratio (held-out): {log.get('ppl_ratio_longest_vs_2k')}.
 {_same_tokens_section(log)}"""
