@@ -297,7 +297,8 @@ def export_and_evaluate(args, cfg, state, log, tok):
         shutil.copy(manifest, os.path.join(dest, "corpus_manifest.json"))
     model = api.load(dest)
     ppl = {}
-    for split in [s for s in args.eval_splits.split(",") if s]:
+    splits = [s for s in args.eval_splits.split(",") if s]
+    for split in splits:
         ppl[split] = {}
         for item in [x for x in args.eval_contexts.split(",") if x]:
             c, _, n = item.partition(":")  # CONTEXT or CONTEXT:WINDOWS
@@ -309,7 +310,7 @@ def export_and_evaluate(args, cfg, state, log, tok):
     same_contexts = sorted(int(c) for c in args.eval_same_tokens.split(",") if c)
     if same_contexts:
         same = {}
-        for split in [s for s in args.eval_splits.split(",") if s]:
+        for split in splits:
             t0 = time.perf_counter()
             got = perplexity_by_context(model, tok, same_contexts, args.eval_same_windows, split=split)
             same[split] = {str(c): round(v, 3) for c, v in got.items()}

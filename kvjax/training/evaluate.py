@@ -32,15 +32,8 @@ def perplexity(model, tokenizer, context: int, windows: int, *, split: str = "he
                seed: int = 1234, stdlib_only: bool = True) -> float:
     """exp(mean nll) over the last `scored` tokens of `windows` windows of `context` tokens of `split` (its stdlib
     files unless `stdlib_only=False`)."""
-    from kvjax.data import corpus
-
-    scored = min(scored, context)
-    total, count = 0.0, 0
-    for w in corpus.long_prompts(tokenizer, context + 1, windows, seed, split_name=split,
-                                   stdlib_only=stdlib_only):
-        s, n = window_nll(model, w, scored)
-        total, count = total + s, count + n
-    return math.exp(total / count)
+    return perplexity_by_context(model, tokenizer, [context], windows, split=split, scored=scored, seed=seed,
+                                 stdlib_only=stdlib_only)[context]
 
 
 def perplexity_by_context(model, tokenizer, contexts: list[int], windows: int, *, split: str = "heldout",
