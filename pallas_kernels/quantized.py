@@ -78,7 +78,8 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     Args:
         q: [B, T, N, D] queries at positions q_pos i32[B, T].
         k_codes, v_codes: u8[B, K, S, D * bits // 8]; k_scale, k_zero: f32[B, K, S // group, D];
-            v_scale, v_zero: f32[B, K, S, 1]; k_pos: i32[B, S] position per slot (-1 empty).
+            v_scale, v_zero: f32[B, K, S, 1]; k_pos: i32[B, S] position per slot or i32[B, K, S] per head
+            (tokens selected per head, e.g. drop + quantize); -1 empty.
         bits: 2 or 4; group: key group G (a power of two >= 16 for the Pallas path: one group per loop block).
         window, scale, sinks, implementation, return_stats: as `attention.attend`.
         num_splits: split-K factor (grid axis; at most S // group; None = `layout.auto_splits`), partials merged
@@ -121,7 +122,9 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     # free reshapes: channel d = c * per + j -> [..., c, j], so plane j is a strided read of the last axis
     ks = pad_slots(k_scale.reshape(B, K, S // group, D // per, per), 2, unit=group)
     kz = pad_slots(k_zero.reshape(B, K, S // group, D // per, per), 2, unit=group)
-    kp = pad_slots(k_pos.astype(jnp.int32), 1, -1)
+    kp = k_pos.astype(jnp.int32)
+    kp = pad_slots(kp[:, None, :] if kp.ndim == 2 else kp, 2, -1)  # [B, K|1, S]
+    per_head = kp.shape[1] > 1
     interpret = interpret_arg(impl)
     slots = pl.BlockSpec((None, None, split_len, D // per), lambda b, h, s: (b, h, s, 0))
     groups = pl.BlockSpec((None, None, split_len // group, D // per, per), lambda b, h, s: (b, h, s, 0, 0))
@@ -134,7 +137,7 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
         in_specs=[pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
                   pl.BlockSpec((None, None, per, R, D // per), lambda b, h, s: (b, h, 0, 0, 0)),
                   slots, groups, groups, slots, per_token, per_token,
-                  pl.BlockSpec((None, split_len), lambda b, h, s: (b, s))],
+                  pl.BlockSpec((None, None, split_len), lambda b, h, s: (b, h if per_head else 0, s))],
         out_specs=[pl.BlockSpec((None, None, None, per, R, D // per), lambda b, h, s: (b, h, s, 0, 0, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
                    pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],

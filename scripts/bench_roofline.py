@@ -39,8 +39,9 @@ from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
-COMPRESSORS = STATIC_DRAFTERS
-QUANTIZED = ("kivi4", "kivi2", "dropquant")
+# the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
+COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}}
+QUANTIZED = ("kivi4", "kivi2", "dropquant", "refresh_kivi2")
 DECODE_STEPS = 32
 X_MAX = 32
 

@@ -40,7 +40,7 @@ from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
 from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
-COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0)}
+COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
 
 def parse_compressor(spec: str) -> tuple[str, dict]:

@@ -10,6 +10,8 @@ decoded since (the drafted ones while drafting, replaced by the exact verified K
   slots, values per token; the exact format is the shared contract with `pallas_kernels/` (packing: element d in
   byte d // (8 // bits), bit offset (d % (8 // bits)) * bits, low bits first). Extension: `pos` may be per head
   `[B, K, S]` when the quantized tokens were selected per head (drop + quantize).
+- `QuantizedBulk`: a `QuantizedKV` of every prompt token with the slots held at full precision elsewhere hidden
+  (a refreshing draft composed with quantization).
 - `RecentKV`: ring of R slots with explicit positions (slot p % R), so rolled-back drafts are masked by setting
   their positions to -1 — never a reshape.
 
@@ -115,6 +117,39 @@ class QuantizedKV:
 
     def nbytes(self) -> int:
         return tree_nbytes((self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, self.pos))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedBulk:
+    """A quantized copy of every prompt token (`q`, its `pos` per slot) of which the slots the draft also holds at
+    full precision elsewhere are hidden: the bulk of a refreshing draft composed with quantization
+    (`kvjax.compress.refresh`). Re-selecting the full-precision set changes only `hidden`, never the codes."""
+
+    q: QuantizedKV  # pos i32[B, S]: slot s holds prompt position s, -1 beyond the prompt
+    hidden: jax.Array  # bool[B, K, S]
+
+    def view(self) -> QuantizedKV:
+        """The bulk as attention sees it: hidden slots at position -1 (per head)."""
+        B, K, S = self.hidden.shape
+        pos = jnp.where(self.hidden, -1, jnp.broadcast_to(self.q.pos[:, None, :], (B, K, S)))
+        return dataclasses.replace(self.q, pos=pos.astype(jnp.int32))
+
+    def dense(self):
+        return self.view().dense()
+
+    def nbytes(self) -> int:
+        return self.q.nbytes() + tree_nbytes(self.hidden)
+
+
+def attention_part(part):
+    """What attention reads of a prompt part: `(k, v, pos)` of a sparse part, the `QuantizedKV` itself (the
+    dispatcher attends to its codes, `kvjax.models.attention.quantized_part_stats`), a bulk's visible view."""
+    if isinstance(part, QuantizedBulk):
+        return part.view()
+    if isinstance(part, QuantizedKV):
+        return part
+    return part.dense()
 
 
 @jax.tree_util.register_dataclass

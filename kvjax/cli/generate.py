@@ -16,7 +16,8 @@ from kvjax.cli.prompts import batch_prompts, single_prompt
 DEFAULT_MAX_NEW_TOKENS = 128  # == kvjax.api.DEFAULT_MAX_NEW_TOKENS (kept literal: --help must not import JAX)
 MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
 ADAPTIVE_SET = (2, 4, 8, 16, 32)  # == kvjax.decode.draft_length.DEFAULT_SET (this module imports no JAX)
-COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh")
+COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh", "refresh_kivi2",
+               "refresh_kivi4")
 # drafts per verification when --draft-len is not given: the length the default draft maker was measured best at
 DEFAULT_DRAFT_LEN = 32  # a fixed draft length where adaptation is not available (--prompts-file batches)
 ADAPTIVE_START = 8  # the first round's draft length of an adaptive run without --draft-len

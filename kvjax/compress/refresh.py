@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache
-from kvjax.cache.draft import DraftCache, SparseKV
-from kvjax.compress.base import Compressor, gather_tokens
+from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV, SparseKV
+from kvjax.compress.base import Compressor, gather_tokens, round_up
 from kvjax.models.attention_scores import block_mass  # noqa: F401 - part of this drafter's interface
 
 
@@ -78,6 +78,33 @@ def select_blocks(mass: jax.Array, end: jax.Array, spec: RefreshSpec) -> jax.Arr
     return pos.astype(jnp.int32)
 
 
+def bulk_positions(length: jax.Array, slots: int) -> jax.Array:
+    """i32[B, slots]: slot s holds prompt position s (< length[b]), -1 beyond: the quantized bulk's positions."""
+    s = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    return jnp.where(s < length[:, None], s, -1).astype(jnp.int32)
+
+
+def hidden_slots(bulk_pos: jax.Array, selected: jax.Array, block: int) -> jax.Array:
+    """bool[B, K, S]: the bulk's slots (positions `bulk_pos` i32[B, S]) whose block is among the full-precision
+    selection `selected` i32[B, K, budget] (whole blocks of `block` positions, -1 = none)."""
+    B, K, _ = selected.shape
+    nb = -(-bulk_pos.shape[1] // block)
+    blk = jnp.where(selected >= 0, jnp.minimum(selected // block, nb), nb)  # beyond the bulk / none -> guard nb
+    b, k = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
+    mark = jnp.zeros((B, K, nb + 1), bool).at[b, k, blk].set(True)
+    of_slot = jnp.broadcast_to(jnp.where(bulk_pos >= 0, bulk_pos // block, nb)[:, None, :], (B, K, bulk_pos.shape[1]))
+    return jnp.take_along_axis(mark, of_slot, axis=2)
+
+
+def selected_parts(form, pos: jax.Array, bulk: QuantizedBulk | None, block: int) -> tuple:
+    """A layer's prompt parts for the selection `pos`: its blocks at full precision, and the quantized bulk (if the
+    draft has one) with those blocks hidden, so no token is attended twice."""
+    part = SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
+    if bulk is None:
+        return (part,)
+    return part, dataclasses.replace(bulk, hidden=hidden_slots(bulk.q.pos, pos, block))
+
+
 def _ring_start(ring_pos: jax.Array, length: jax.Array) -> jax.Array:
     """The first position the recent ring holds exactly ([B]); `length` when it holds none."""
     held = jnp.where(ring_pos >= 0, ring_pos, jnp.iinfo(jnp.int32).max)
@@ -98,8 +125,8 @@ def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec
             continue
         end = _ring_start(dl.recent.pos, draft.length)
         pos = select_blocks(mass, end, spec)
-        part = SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
-        layers.append(dataclasses.replace(dl, parts=(part,)))
+        bulk = next((p for p in dl.parts if isinstance(p, QuantizedBulk)), None)
+        layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block)))
     return dataclasses.replace(draft, layers=tuple(layers))
 
 
@@ -114,6 +141,10 @@ class Refresh(Compressor):
         min_drafts: ... once at least this many tokens were drafted since the last selection (measured: with x
             adapted down to 4 at 32K, re-selecting every round took 35% of the round).
         obs_window: prompt tokens whose queries make the first selection.
+        bulk_bits: 0, or 2 / 4: also keep every prompt token in a KIVI-style quantized bulk (keys per channel over
+            groups of `bulk_group` tokens, values per token), the selected blocks hidden in it: the draft then reads
+            the blocks that matter at full precision and the rest coarsely instead of not at all ("refresh_kivi2",
+            "refresh_kivi4"); re-selection changes only which bulk slots are hidden.
     """
 
     block: int = 16
@@ -122,7 +153,15 @@ class Refresh(Compressor):
     period: int = 1
     min_drafts: int = 16
     obs_window: int = 16
+    bulk_bits: int = 0
+    bulk_group: int = 32
     name: str = dataclasses.field(default="refresh", init=False)
+
+    def __post_init__(self):
+        if self.bulk_bits not in (0, 2, 4):
+            raise ValueError(f"bulk_bits must be 0 (no quantized bulk), 2 or 4, got {self.bulk_bits}")
+        if self.bulk_bits:
+            object.__setattr__(self, "name", f"refresh_kivi{self.bulk_bits}")
 
     def spec(self, prompt_len: int) -> RefreshSpec:
         budget_blocks = max(self.sink_blocks + self.recent_blocks + 1, -(-self.budget(prompt_len) // self.block))
@@ -142,7 +181,13 @@ class Refresh(Compressor):
 
     def layer_parts(self, i, form, length, prompt_len, data):
         pos = select_blocks(data["masses"][i], length, data["spec"])
-        return (SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos),)
+        bulk = None
+        if self.bulk_bits:
+            bpos = bulk_positions(length, round_up(prompt_len, self.bulk_group))
+            q = QuantizedKV.quantize(gather_tokens(form.k, bpos), gather_tokens(form.v, bpos), bpos,
+                                     bits=self.bulk_bits, group=self.bulk_group)
+            bulk = QuantizedBulk(q=q, hidden=jnp.zeros(q.k_codes.shape[:3], bool))
+        return selected_parts(form, pos, bulk, self.block)
 
     def __call__(self, params, config, full, prompt, *, recent_slots: int) -> DraftCache:
         draft = super().__call__(params, config, full, prompt, recent_slots=recent_slots)

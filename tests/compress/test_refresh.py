@@ -113,3 +113,57 @@ def test_refresh_in_the_scheduler_is_exact(hf_model_dir):
     for p, (t, st) in zip(prompts, outs):
         np.testing.assert_array_equal(t, kvjax.reference_decode(m, p, 16, draft_len=4))
         assert st["compressor"] == "refresh"
+
+
+@pytest.mark.parametrize("name,offload,temperature", [("refresh_kivi2", False, 0.0), ("refresh_kivi4", True, 0.8)])
+def test_refresh_over_a_quantized_bulk_is_exact(hf_model_dir, name, offload, temperature):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt(seed=9)
+    ref, ref_lg = kvjax.reference_decode(m, p, 20, draft_len=4, temperature=temperature, seed=3, return_logits=True)
+    kw = {k: v for k, v in KW.items() if k != "ratio"}
+    out, st, lg = kvjax.generate_vericache(m, p, 20, compressor=name, compressor_kw=kw, draft_len=4, offload=offload,
+                                           temperature=temperature, seed=3, ignore_eos=True, return_logits=True)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(lg, ref_lg)
+    assert 0 < st["draft_bytes_ratio"] < 1
+
+
+def _bulk_and_selection(dc):
+    """Per full-attention layer: (positions visible in the bulk, positions held at full precision) per head."""
+    from kvjax.cache.draft import QuantizedBulk
+
+    out = []
+    for layer in dc.layers:
+        bulk = next(p for p in layer.parts if isinstance(p, QuantizedBulk))
+        seen, sel = np.asarray(bulk.view().pos)[0], np.asarray(layer.parts[0].pos)[0]
+        out.append([(set(seen[h][seen[h] >= 0]), set(sel[h][sel[h] >= 0])) for h in range(seen.shape[0])])
+    return out
+
+
+def test_the_bulk_hides_exactly_the_blocks_held_at_full_precision(hf_model_dir):
+    """Every prompt token is attended once: in the full-precision selection or in the bulk, never both — after
+    compression and after a re-selection, which changes which bulk slots are hidden but not the codes."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt(150, seed=5)
+    full, first = kvjax.decode.vericache.prefill_for(m, p, 16, max_draft=4)
+    dc = kvjax.compress.make_compressor("refresh_kivi2", **{k: v for k, v in KW.items() if k != "ratio"})(
+        m.params, m.config, full, p, recent_slots=32)
+    codes = [np.asarray(l.parts[1].q.k_codes) for l in dc.layers]
+    before = _bulk_and_selection(dc)
+    seed = jnp.zeros((1,), jnp.int32)
+    drafts, _, dc = kvjax.decode.draft.draft_step(m.params, m.config, dc, first, seed, x=4, family=m.family,
+                                                  impl=m.attention)
+    qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
+    _, _, full, dc, _, aux = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
+                                                family=m.family, impl=m.attention)
+    dc = refresh_step(dc, full, aux, family=m.family)
+    after = _bulk_and_selection(dc)
+    for state in (before, after):
+        for heads in state:
+            for seen, sel in heads:
+                assert not seen & sel
+                assert seen | {s for s in sel if s < len(p)} == set(range(len(p)))
+                assert len(seen) < len(p)  # some blocks are held at full precision
+    assert before != after  # re-selected
+    for c, l in zip(codes, dc.layers):
+        np.testing.assert_array_equal(c, np.asarray(l.parts[1].q.k_codes))

@@ -138,3 +138,22 @@ def test_bundled_model_full_draft_and_verify_pallas_interpret_match_xla(checkpoi
         got[impl] = (np.asarray(logits), np.asarray(drafts), np.asarray(vlog))
     for a, b in zip(got["pallas_interpret"], got["xla"]):
         np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_attention_parts_reads_a_quantized_part_through_kernel_6():
+    """A `QuantizedKV` part with per-head positions (drop + quantize, a refreshing bulk): kernel 6 in interpret mode
+    equals the XLA form (dequantise, then attend) and attention over the dequantised keys and values."""
+    from kvjax.cache.draft import QuantizedKV
+
+    rng = np.random.default_rng(4)
+    B, K, S, D = 1, 2, 64, 32
+    k, v = (jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(np.where(rng.random((B, K, S)) < 0.3, -1, np.arange(S)), jnp.int32)
+    part = QuantizedKV.quantize(k, v, pos, bits=4, group=16)
+    q = jnp.asarray(rng.normal(size=(B, 2, 4, D)), jnp.float32)
+    q_pos = jnp.asarray([[60, 70]], jnp.int32)
+    got = attention_parts(q, [part], q_pos, implementation="pallas_interpret")
+    xla = attention_parts(q, [part], q_pos, implementation="xla")
+    kd, vd, _ = part.dense()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(xla), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(attend(q, kd, vd, q_pos, pos)), atol=1e-5, rtol=1e-5)

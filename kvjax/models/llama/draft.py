@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import ModelCache, WindowKV
-from kvjax.cache.draft import DraftCache, DraftLayer
+from kvjax.cache.draft import DraftCache, DraftLayer, attention_part
 from kvjax.models.attention import attention_parts
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.llama.layers import decoder_stack, lm_head
@@ -39,7 +39,7 @@ def draft_forward(params, config: ModelConfig, cache: DraftCache, tokens: jax.Ar
 
     def attend(i, dl: DraftLayer, q, k, v):
         recent = dl.recent.write(k, v, positions, n_valid)
-        parts = [p.dense() for p in dl.parts] + [recent.dense()]
+        parts = [attention_part(p) for p in dl.parts] + [recent.dense()]
         out = attention_parts(q, parts, positions, window=dl.window, implementation=implementation)
         return out, dataclasses.replace(dl, recent=recent), None
 
