@@ -4,7 +4,7 @@
 - keys per channel over groups of G tokens: `k_scale, k_zero f32[B, K, S // G, D]`, key = code * scale + zero.
 - values per token: `v_scale, v_zero f32[B, K, S, 1]`, value = code * scale + zero.
 - scale = (max - min) / (2**bits - 1), zero = min, code = clip(round((x - min) / scale)); a zero range uses scale 1.
-`kvjax/cache/draft_forms.py` implements the same format independently; a test checks the two agree.
+`kvjax/cache/draft.py` (`QuantizedKV`) implements the same format independently; a test checks the two agree.
 """
 
 from __future__ import annotations

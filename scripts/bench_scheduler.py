@@ -42,7 +42,8 @@ from kvjax.serve.full_scheduler import FullCacheScheduler  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
-                 "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128)}
+                 "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128),
+                 "refresh": dict(ratio=8.0), "refresh_kivi4": {}}
 
 
 

@@ -42,3 +42,16 @@ def test_row_result_independent_of_blocks_beyond_it():
     qp2 = qp.at[:, 1:].set(qp[:, :1])
     alone = f(q2, qp2, short_kp)
     assert np.array_equal(np.asarray(full[:, 0]), np.asarray(alone[:, 0]))
+
+
+def test_default_attention_is_one_shot_for_few_rows_and_blocked_for_many():
+    """Few query rows (one-token steps, short verifies) attend in one shot, more rows in the blocked loop; both
+    equal the definition."""
+    from kvjax.models.attention import ONE_SHOT_MAX_ROWS, default_attention
+
+    for T, loops in ((ONE_SHOT_MAX_ROWS, False), (ONE_SHOT_MAX_ROWS + 1, True)):
+        q, k, v, qp, kp = _case(T=T)
+        jaxpr = str(jax.make_jaxpr(lambda q: default_attention(q, k, v, qp, kp))(q))
+        assert ("while" in jaxpr) == loops, T
+        np.testing.assert_allclose(np.asarray(default_attention(q, k, v, qp, kp)),
+                                   np.asarray(attend(q, k, v, qp, kp)), atol=2e-6)
