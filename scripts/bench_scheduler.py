@@ -157,7 +157,7 @@ def main(argv=None):
     refs = [reference(model, p, M, x) for p in pre]
     print(f"[bench] references {time.perf_counter() - t0:.1f}s", flush=True)
 
-    def requests(m):
+    def batch(m):
         return [requests.Request(prompt=p, max_new_tokens=m, prefilled=pp) for p, pp in zip(prompts, pre)]
 
     recent = max(64, M + x + 2)
@@ -175,13 +175,13 @@ def main(argv=None):
     warm = {}
     for name, make in contenders:
         t0 = time.perf_counter()
-        make().run(requests(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
+        make().run(batch(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
         warm[name] = time.perf_counter() - t0
     # repeats interleaved round-robin, so a change in the shared CPU's load hits every contender alike
     all_runs = {name: [] for name, _ in contenders}
     for _ in range(args.repeats):
         for name, make in contenders:
-            all_runs[name].append(make().run(requests(M)))
+            all_runs[name].append(make().run(batch(M)))
     results = []
     for name, make in contenders:
         t_warm = warm[name]
