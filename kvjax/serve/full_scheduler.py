@@ -53,7 +53,9 @@ class FullCacheScheduler:
         cap = max(caps)  # ragged prompts share the largest bucket (a shorter row leaves its tail slots empty)
         fam, dtype = self.model.family, self.model.cache_dtype
         one = jax.eval_shape(lambda: fam.init_cache(cfg, 1, cap, dtype))
-        per = tree_nbytes(one.layers)
+        # a slot is its layers plus the small per-slot vectors that live next to them on the device (its length, the
+        # step's next token, the admitted first token: i32 each) — measured peaks counted them, the budget did not
+        per = tree_nbytes(one.layers) + 3 * tree_nbytes(one.length)
         scratch = max(tree_nbytes(l) for l in one.layers)
         if any(r.prefilled is None for r in requests):
             scratch = per  # a device prefill holds a whole full cache
