@@ -40,8 +40,8 @@ from kvjax.decode.vericache import capacity_for  # noqa: E402
 from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
-COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}}
-QUANTIZED = ("kivi4", "kivi2", "dropquant", "refresh_kivi2")
+COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
+QUANTIZED = ("kivi4", "kivi2", "dropquant", "refresh_kivi2", "refresh_kivi4")
 DECODE_STEPS = 32
 X_MAX = 32
 

@@ -30,7 +30,7 @@ else
   fi
   tests=(python3 -m pytest -q -m gpu -p no:cacheprovider)
   kernels=(python3 scripts/bench_kernels.py --json "$out/bench_kernels.json")
-  roofline=(python3 scripts/bench_roofline.py --context 8192,32768 --compressors streaming,snapkv,kivi4,refresh_kivi2
+  roofline=(python3 scripts/bench_roofline.py --context 8192,32768 --compressors streaming,snapkv,kivi4,refresh_kivi4
             --json "$out/roofline.json")
 fi
 
