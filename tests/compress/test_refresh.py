@@ -77,19 +77,24 @@ def test_select_blocks_respects_budget_sinks_recent_and_the_ring():
     assert (pos == -1).sum() == 2  # block 5 holds tokens 20..23; 22 and 23 are the ring's
 
 
-def test_the_selection_moves_with_the_decode(hf_model_dir):
-    m = kvjax.load(hf_model_dir("llama")[1])
-    p = _prompt(160, seed=3)
-    full, first = kvjax.decode.vericache.prefill_for(m, p, 16, max_draft=4)
-    dc = Refresh(**KW)(m.params, m.config, full, p, recent_slots=32)
-    before = [np.asarray(l.parts[0].pos) for l in dc.layers]
+def _one_refreshed_round(m, full, first, dc):
+    """Draft 4 tokens, verify them, re-select the draft from the verification: the draft after one round."""
     seed = jnp.zeros((1,), jnp.int32)
     drafts, _, dc = kvjax.decode.draft.draft_step(m.params, m.config, dc, first, seed, x=4, family=m.family,
                                                   impl=m.attention)
     qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
     _, _, full, dc, _, aux = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
                                                 family=m.family, impl=m.attention)
-    dc = refresh_step(dc, full, aux, family=m.family)
+    return refresh_step(dc, full, aux, family=m.family)
+
+
+def test_the_selection_moves_with_the_decode(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt(160, seed=3)
+    full, first = kvjax.decode.vericache.prefill_for(m, p, 16, max_draft=4)
+    dc = Refresh(**KW)(m.params, m.config, full, p, recent_slots=32)
+    before = [np.asarray(l.parts[0].pos) for l in dc.layers]
+    dc = _one_refreshed_round(m, full, first, dc)
     after = [np.asarray(l.parts[0].pos) for l in dc.layers]
     assert all(a.shape == b.shape for a, b in zip(after, before))  # static budget
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))  # re-selected
@@ -150,13 +155,7 @@ def test_the_bulk_hides_exactly_the_blocks_held_at_full_precision(hf_model_dir):
         m.params, m.config, full, p, recent_slots=32)
     codes = [np.asarray(l.parts[1].q.k_codes) for l in dc.layers]
     before = _bulk_and_selection(dc)
-    seed = jnp.zeros((1,), jnp.int32)
-    drafts, _, dc = kvjax.decode.draft.draft_step(m.params, m.config, dc, first, seed, x=4, family=m.family,
-                                                  impl=m.attention)
-    qlog = jnp.zeros((1, 1, m.config.vocab_size), jnp.float32)
-    _, _, full, dc, _, aux = verify.verify_step(m.params, m.config, full, dc, first, drafts, qlog, seed,
-                                                family=m.family, impl=m.attention)
-    dc = refresh_step(dc, full, aux, family=m.family)
+    dc = _one_refreshed_round(m, full, first, dc)
     after = _bulk_and_selection(dc)
     for state in (before, after):
         for heads in state:
