@@ -136,7 +136,10 @@ def main(argv=None):
     if not args.no_baselines:
         contenders += [(n, c) for n, c in (("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"))
                        if c in comps]
-        adaptive = [c for c in (args.adaptive or names[0]).split(",") if c in names]
+        adaptive = [c for c in (args.adaptive or names[0]).split(",") if c]
+        missing = [c for c in adaptive if c not in names]
+        if missing:  # a drafter runs adaptive only with its compressed cache, which --compressors makes
+            raise SystemExit(f"bench_vericache: error: --adaptive {','.join(missing)} not in --compressors")
         contenders += [(f"vc-adaptive[{c}]", c) for c in adaptive]
     acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[]) for n, _ in contenders}
     plain_agree, plain_margins = [], []
