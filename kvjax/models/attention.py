@@ -128,12 +128,13 @@ BLOCK = 1024
 # Up to this many query rows per sequence the one-shot `attend` beats the blocked loop on XLA:CPU even though it
 # reads the empty slots too; above it the blocked loop wins (the one-shot's [rows, S] scores no longer stay in
 # cache). Measured per layer on the bundled model's shape (8 heads, 4 KV heads, D = 32), one-shot vs blocked-1024 ms:
-# 9,216 slots: 1.30 vs 2.12 (3 rows), 1.47 vs 2.57 (5), 3.87 vs 2.99 (9), 4.59 vs 4.47 (17);
-# 36,864 slots: 2.49 vs 4.89 (1), 4.98 vs 8.51 (5), 10.9 vs 11.9 (9), 72.0 vs 32.7 (33).
-# Short verifies (adaptive x = 2, 4) and one-token steps therefore attend in one shot; prefill chunks and long
-# verifies stay blocked. The choice depends only on static shapes, so a verify and its reference decoder (same rows)
-# still run the same program.
-ONE_SHOT_MAX_ROWS = 8
+# 9,216 slots: 1.30 vs 2.12 (3 rows), 1.47 vs 2.57 (5), 1.62-2.03 vs 2.58-2.91 (9), 3.48 vs 3.96 (17);
+# 36,864 slots: 2.49 vs 4.89 (1), 4.98 vs 8.51 (5), 7.9-11.3 vs 9.5-11.9 (9), 28.0 vs 15.3 (17), 72.0 vs 32.7 (33).
+# The whole verify step of x = 8 (9 rows) ran 1.4x (8K) and 1.57x (32K) faster in one shot
+# (`scripts/bench_short_verify.py`). Short verifies (adaptive x = 2, 4, 8) and one-token steps therefore attend in
+# one shot; prefill chunks and long verifies stay blocked. The choice depends only on static shapes, so a verify and
+# its reference decoder (same rows) still run the same program.
+ONE_SHOT_MAX_ROWS = 9
 
 
 def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
