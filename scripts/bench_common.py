@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -81,3 +82,13 @@ def bench_prompts(model, n_tokens: int, count: int, seed: int):
             print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
     rng = np.random.default_rng(seed)
     return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
+
+
+def best_of(fn, reps: int) -> float:
+    """Best wall time in seconds of `reps` calls of fn (which returns something to block on)."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best

@@ -37,7 +37,7 @@ from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
+from bench_common import STATIC_DRAFTERS, bench_prompts, best_of, load_bench_model  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
@@ -66,16 +66,6 @@ class Floor:
             best = min(best, time.perf_counter() - t)
         del a
         return best
-
-
-def best_of(fn, reps: int) -> float:
-    """Best wall time of `reps` calls of fn (which returns something to block on)."""
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def record(rows, floor, context, step, seconds, nbytes, per="step", **extra):

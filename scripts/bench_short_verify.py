@@ -27,16 +27,13 @@ import kvjax  # noqa: E402
 from kvjax.decode import steps, vericache  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
+from bench_common import best_of  # noqa: E402
 
 
 def best_ms(fn, reps: int) -> float:
+    """Best of `reps` timed calls after one untimed (compiling) call, in ms."""
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return best_of(fn, reps) * 1e3
 
 
 def per_layer(config, slots: int, rows: list[int], reps: int) -> list[dict]:

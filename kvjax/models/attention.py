@@ -207,13 +207,9 @@ def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None
     for part in parts:
         if isinstance(part, QuantizedKV):
             stats.append(quantized_part_stats(q, part, q_pos, window=window, scale=scale, implementation=impl))
-            continue
-        k, v, pos = part
-        if impl == "xla":
-            stats.append(attend_stats(q, k, v, q_pos, pos, window=window, scale=scale))
         else:
-            stats.append(pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
-                                               return_stats=True))
+            k, v, pos = part
+            stats.append(part_stats(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl))
     if len(stats) == 1:
         o, m, l = stats[0]
     else:
@@ -235,10 +231,7 @@ def quantized_part_stats(q, part: QuantizedKV, q_pos, *, window=None, scale=None
     D = q.shape[-1]
     if impl == "xla" or (impl == "pallas" and D * part.bits // 8 < 16):
         k, v, pos = part.dense()
-        if impl == "xla":
-            return attend_stats(q, k, v, q_pos, pos, window=window, scale=scale)
-        return pallas_kernels.attend(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl,
-                                     return_stats=True)
+        return part_stats(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl)
     return pallas_kernels.quantized_attention(q, part.k_codes, part.k_scale, part.k_zero, part.v_codes, part.v_scale,
                                               part.v_zero, part.pos, q_pos, bits=part.bits, group=part.group,
                                               window=window, scale=scale, implementation=impl, return_stats=True)
