@@ -7,12 +7,12 @@ For each context length, on one held-out prompt of the checkpoint's corpus:
     number of bytes measured in the same run, and the ratio time / floor;
   - the compression of the prompt into each draft cache, as a fraction of the prompt's prefill time;
   - peers on the same checkpoint and prompt: Hugging Face transformers (PyTorch CPU, eager `generate`: prefill
-    tokens/s, decode ms/token) and llama.cpp through `llama-cpp-python` (GGUF f32 export written by this script)
-    when that package is installed — otherwise skipped with the reason printed.
+    tokens/s, decode ms/token) and llama.cpp's `llama-bench` (`--llama-bench PATH` or on PATH) on a GGUF f32 export
+    of the checkpoint (`gguf_export.py`) — otherwise skipped with the reason printed.
 Prints a table, writes JSON (one record per step and context) and a plot of ms/token vs context (kvjax decode, its
 floor, the peers).
 
-Usage: python scripts/bench_roofline.py --context 8192,32768 --json docs/results/roofline.json
+Usage: python scripts/bench_roofline.py --context 8192,32768 --json docs/results/roofline.json [--llama-bench PATH]
        (--compressors streaming,kivi4 to keep a run short; --random for a random-weight model of the same shape)
 """
 
@@ -193,17 +193,62 @@ def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_r
     return prefill_s, decode_s
 
 
-def bench_llama_cpp(checkpoint, prompt, rows):
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        reason = ("llama-cpp-python is not installed (no binary wheel for this platform on the package index; its "
-                  "source build takes more than 10 minutes on this 2-core machine)")
+def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama_bench=None, new_tokens=64):
+    """llama.cpp on the same weights (GGUF f32 export by `gguf_export.py`): `llama-bench` prefill of the prompt's
+    length with flash attention off and on, and `new_tokens` decode steps at the prompt's depth (flash attention on,
+    f32 KV cache where the binary accepts `-ctk f32`, else its default f16, recorded). llama-bench feeds random
+    token ids: its speed does not depend on them. Skipped, with the reason recorded, without a llama-bench binary
+    (`--llama-bench PATH` or one on PATH) or the `gguf` package."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    L = int(prompt.size)
+    binary = llama_bench or shutil.which("llama-bench")
+    reason = None
+    if binary is None:
+        reason = ("no llama-bench binary (pass --llama-bench PATH; llama-cpp-python has no binary wheel for this "
+                  "platform, and its vendored llama.cpp builds llama-bench with cmake in ~10 minutes)")
+    else:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            reason = "the gguf package is not installed (pip install gguf) to export the checkpoint"
+    if reason:
         print(f"  llama.cpp: skipped: {reason}")
-        rows.append(dict(context=int(prompt.size), step="llama.cpp", skipped=reason))
+        rows.append(dict(context=L, step="llama.cpp", skipped=reason))
         return None
-    print("  llama.cpp: llama-cpp-python is installed but the GGUF export is not implemented in this script yet")
-    return None
+    from gguf_export import export
+
+    tmp = tempfile.mkdtemp(prefix="kvjax-gguf-")
+    path = export(checkpoint, os.path.join(tmp, "model-f32.gguf"))
+    threads = str(max(1, os.cpu_count() or 1))
+
+    def run(*args):
+        for kv in ("f32", "f16"):
+            r = subprocess.run([binary, "-m", path, "-t", threads, "-ctk", kv, "-ctv", kv, "-r", "1", "-o", "json",
+                                *args], capture_output=True, text=True)
+            if r.returncode == 0:
+                return json.loads(r.stdout)
+        raise RuntimeError(f"llama-bench failed: {r.stderr[-500:]}")
+
+    try:
+        out = run("-p", str(L), "-n", "0", "-fa", "off,on") + run("-p", "0", "-n", str(new_tokens), "-d", str(L),
+                                                                  "-fa", "on")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    got = {}
+    for r in out:
+        kv = r.get("type_k")
+        if r["n_gen"] == 0:
+            step = "llama.cpp prefill" + (" (flash attention)" if r["flash_attn"] else "")
+            got[step] = record(rows, floor, L, step, L / r["avg_ts"], wbytes, per="prompt",
+                               tokens_per_s=r["avg_ts"], kv_type=kv)
+        else:
+            got["llama.cpp decode"] = record(rows, floor, L, "llama.cpp decode", 1 / r["avg_ts"],
+                                             wbytes + L * kv_row_bytes // (1 if kv == "f32" else 2), per="token",
+                                             tokens_per_s=r["avg_ts"], kv_type=kv)
+    return got
 
 
 def add_best_bandwidth_floor(rows, min_bytes: int = 10 << 20):
@@ -254,6 +299,7 @@ def main(argv=None):
     ap.add_argument("--compressors", default=",".join(COMPRESSORS), help="comma-separated draft makers")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens the transformers peer generates")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
+    ap.add_argument("--llama-bench", default=None, help="a llama-bench binary (default: one on PATH)")
     ap.add_argument("--json", default=None, help="write the records here (and a .png next to it)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -287,7 +333,15 @@ def main(argv=None):
                                                                if r["context"] == L and r["step"] == "prefill")))
                 print(f"  kvjax vs transformers: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
                       f"{rows[-1]['prefill_speedup']:.2f}x", flush=True)
-            bench_llama_cpp(args.model, prompt, rows)
+            lc = bench_llama_cpp(args.model, prompt, rows, floor, tree_nbytes(model.params), kv_row,
+                                 args.llama_bench, args.new_tokens)
+            if lc:
+                prefill_s = next(r["ms"] / 1e3 for r in rows if r["context"] == L and r["step"] == "prefill")
+                rows.append(dict(context=L, step="kvjax vs llama.cpp",
+                                 decode_speedup=lc["llama.cpp decode"]["ms"] / 1e3 / decode_s,
+                                 prefill_speedup=lc["llama.cpp prefill (flash attention)"]["ms"] / 1e3 / prefill_s))
+                print(f"  kvjax vs llama.cpp: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
+                      f"{rows[-1]['prefill_speedup']:.2f}x (flash attention on)", flush=True)
     best_gbs = add_best_bandwidth_floor(rows)
     if best_gbs:
         print(f"[bench] best reduction bandwidth in this run: {best_gbs:.1f} GB/s; ratios against it:")

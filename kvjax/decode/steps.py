@@ -24,12 +24,20 @@ def _forward(family, impl, params, config, cache, tokens, n_valid):
     return family.forward(params, config, cache, tokens, n_valid, implementation=impl)
 
 
-@functools.partial(jax.jit, static_argnames=("family", "impl"), donate_argnames="cache")
-def prefill_chunk(params, config, cache, tokens: jax.Array, n_valid: jax.Array, *, family, impl: str):
+@functools.partial(jax.jit, static_argnames=("family", "impl", "all_logits"), donate_argnames="cache")
+def prefill_chunk(params, config, cache, tokens: jax.Array, n_valid: jax.Array, *, family, impl: str,
+                  all_logits: bool = False):
     """One prefill chunk. tokens: i32[B, C]; n_valid: i32[B]. Returns (logits of each row's last real token f32[B, V],
-    all-row logits f32[B, C, V], cache)."""
-    logits, cache = _forward(family, impl, params, config, cache, tokens, n_valid)
+    all-row logits f32[B, C, V] when `all_logits` else None, cache).
+
+    Without `all_logits` only the last real row goes through the vocabulary projection (measured at 8K on the
+    bundled model: `scripts/bench_prefill.py`)."""
     last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
+    if not all_logits:
+        logits, cache = family.forward(params, config, cache, tokens, n_valid, implementation=impl,
+                                       logit_rows=last[:, None])
+        return logits[:, 0], None, cache
+    logits, cache = _forward(family, impl, params, config, cache, tokens, n_valid)
     return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], logits, cache
 
 
@@ -69,7 +77,7 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
         buf[0, :part.size] = part
         last, lg, cache = prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
                                         jnp.asarray([part.size], jnp.int32), family=model.family,
-                                        impl=model.attention)
+                                        impl=model.attention, all_logits=all_logits)
         if all_logits:
             rows.append(np.asarray(lg[0, :part.size]))
         if on_chunk is not None:

@@ -12,12 +12,13 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
 - the full cache: `init_cache(config, batch, capacity, dtype) -> cache` — a dataclass pytree with a `layers` tuple
   (one state per layer: the full-cache scheduler admits it and remote serving streams it layer by layer) and
   `length` i32[B]; slots a prefill has not written hold init_cache's zeros (remote entries are trimmed to what was
-  written); `forward(params, config, cache, tokens i32[B, T], n_valid i32[B], *, implementation=None) -> (logits
-  f32[B, T, V], cache)` — prefill chunks and plain one-token decode; `verify_forward(...) -> (logits, cache, aux)` —
-  the same over the full cache in the canonical verify arithmetic (the shape the reference decoder and VeriCache's
-  verification share, bit for bit; aux is the family's by-product of it, e.g. queries for refreshing drafts, None
-  when it has none); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the
-  state after a verify block rolled back to `keep_len[b]` tokens (masked, no reshape); optionally
+  written); `forward(params, config, cache, tokens i32[B, T], n_valid i32[B], *, implementation=None,
+  logit_rows=None) -> (logits f32[B, T, V] (f32[B, R, V] at logit_rows i32[B, R]), cache)` — prefill chunks and
+  plain one-token decode; `verify_forward(...) -> (logits, cache, aux)` — the same over the full cache in the
+  canonical verify arithmetic (the shape the reference decoder and VeriCache's verification share, bit for bit;
+  aux is the family's by-product of it, e.g. queries for refreshing drafts, None when it has none);
+  `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the state after a verify
+  block rolled back to `keep_len[b]` tokens (masked, no reshape); optionally
   `decode_split(cache, rows) -> (invariant, carry)`, `decode_join(invariant, carry) -> cache`,
   `decode_carry(cache) -> carry`, `decode_merge(invariant, carry) -> cache` — how a decode loop of `rows` steps
   keeps the cache it only reads out of its carry (Llama: `kvjax.cache.chunked`); without them the loop carries

@@ -13,10 +13,11 @@ from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_fr
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
 
 
-def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implementation: str | None = None):
+def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implementation: str | None = None,
+            logit_rows=None):
     """`kvjax.models.llama.forward` with the attention implementation named."""
     return model.forward(params, config, cache_, tokens, n_valid, attention_fn=make_attention_fn(implementation),
-                         implementation=implementation)
+                         implementation=implementation, logit_rows=logit_rows)
 
 
 LLAMA = Family(

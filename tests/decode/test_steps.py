@@ -1,5 +1,6 @@
 """Static shapes: decode runs and prompts of any length compile nothing after warm-up; capacity errors are loud."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,3 +64,22 @@ def test_capacity_errors_are_clear(hf_model_dir):
         steps.prefill(m, _cache(m, 256), np.zeros(300, np.int32))
     with pytest.raises(InputError, match="max_new_tokens"):
         kvjax.generate(m, [1, 2, 3], max_new_tokens=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v4"])
+def test_prefill_projects_only_the_last_row_unless_all_logits_are_asked(hf_model_dir, kind):
+    """The default prefill computes the vocabulary projection of each chunk's last real row only; its logits and the
+    cache it leaves equal the all-rows form's (the cache bit for bit: logits never feed it)."""
+    from builders import make_v4
+
+    m = kvjax.load(hf_model_dir("llama")[1] if kind == "llama" else make_v4("hybrid")[1])
+    ids = (np.arange(100) * 7) % m.config.vocab_size
+    last, c1 = steps.prefill(m, _cache(m, 256), ids, chunk=32)
+    rows, c2 = steps.prefill(m, _cache(m, 256), ids, chunk=32, all_logits=True)
+    assert rows.shape == (100, m.config.vocab_size)
+    np.testing.assert_allclose(np.asarray(last), rows[-1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    _, lg, _ = steps.prefill_chunk(m.params, m.config, _cache(m, 256), jnp.asarray(ids[None, :32], jnp.int32),
+                                   jnp.asarray([32], jnp.int32), family=m.family, impl=m.attention)
+    assert lg is None

@@ -55,3 +55,18 @@ def test_default_attention_is_one_shot_for_few_rows_and_blocked_for_many():
         assert ("while" in jaxpr) == loops, T
         np.testing.assert_allclose(np.asarray(default_attention(q, k, v, qp, kp)),
                                    np.asarray(attend(q, k, v, qp, kp)), atol=2e-6)
+
+
+def test_prefill_sized_queries_take_the_smaller_key_blocks(monkeypatch):
+    """Chunk-sized queries (>= PREFILL_ROWS) run the loop over PREFILL_BLOCK-slot blocks, fewer rows over BLOCK."""
+    from kvjax.models import attention as attn
+
+    seen = []
+    real = attn.attend_blocked
+    monkeypatch.setattr(attn, "attend_blocked", lambda *a, block, **kw: seen.append(block) or real(*a, block=block,
+                                                                                                   **kw))
+    for T in (attn.ONE_SHOT_MAX_ROWS + 1, attn.PREFILL_ROWS):
+        q, k, v, qp, kp = _case(T=T, L=3000)
+        np.testing.assert_allclose(np.asarray(attn.default_attention(q, k, v, qp, kp)),
+                                   np.asarray(attend(q, k, v, qp, kp)), atol=2e-6)
+    assert seen == [attn.BLOCK, attn.PREFILL_BLOCK] and attn.PREFILL_BLOCK < attn.BLOCK

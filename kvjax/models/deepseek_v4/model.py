@@ -152,7 +152,8 @@ def _attention(p: Params, config: DeepseekV4Config, kind: str, state: LayerState
 
 
 def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens: jax.Array,
-            n_valid: jax.Array | None = None, *, implementation: str | None = None, return_hidden: bool = False):
+            n_valid: jax.Array | None = None, *, implementation: str | None = None, return_hidden: bool = False,
+            logit_rows: jax.Array | None = None):
     """Run `T` new tokens per sequence through the model, folding them into `cache`.
 
     Args:
@@ -164,9 +165,10 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
         implementation: attention implementation (see `kvjax.models.attention`); every part of every layer's
             attention goes through its dispatcher.
         return_hidden: also return the final normalised hidden states [B, T, H].
+        logit_rows: i32[B, R] the rows to compute logits for (default: all T; a prefill chunk needs its last row).
 
     Returns:
-        (logits f32[B, T, V], new cache) — and hidden states when asked.
+        (logits f32[B, T, V] — f32[B, R, V] with `logit_rows` —, new cache) — and hidden states when asked.
     """
     B, T = tokens.shape
     if n_valid is None:
@@ -195,6 +197,8 @@ def forward(params: Params, config: DeepseekV4Config, cache: HybridCache, tokens
         new_layers.append(state)
     h = rms_norm(hyper_head(params["hc_head"], x, hc_eps=config.hc_eps, norm_eps=eps), params["final_norm"], eps)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    if logit_rows is not None:
+        h = jnp.take_along_axis(h, logit_rows[..., None], 1)
     logits = (h @ head).astype(jnp.float32)
     new_cache = HybridCache(layers=tuple(new_layers), length=cache.length + n_valid)
     if return_hidden:
