@@ -34,6 +34,8 @@ def draft_step(params, config, dcache, last: jax.Array, seed: jax.Array, *, x: i
     # instead of copying them every iteration (it copies a carried buffer a dot reads; see kvjax.cache.chunked)
     split = family.draft_split is not None
     frozen, dcache = family.draft_split(dcache) if split else (None, dcache)
+    if family.loop_params is not None:
+        params = family.loop_params(params)
 
     def body(i, carry):
         tok, dc, drafts, qlog = carry

@@ -134,6 +134,8 @@ def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_step
     Returns:
         (i32[B, num_steps] the tokens produced after `first`, cache) — plus the logprobs when asked.
     """
+    if family.loop_params is not None:
+        params = family.loop_params(params)
     if family.decode_split is None:
         fwd = functools.partial(_forward, family, impl, params, config)
         return decode_loop(fwd, cache, first, cache.length, num_steps, seed, temperature, return_logprobs)

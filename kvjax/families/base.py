@@ -39,6 +39,8 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   `offload_join(fetched_host_part, device_part, length, prompt_len) -> full`; `offload_update(device_part, full,
   start, keep, prompt_len, *, block) -> device_part`.
 - tensor parallelism: `shard_params(params, config, mesh, *, vocab=None) -> params` placed on a ("dp", "tp") mesh.
+- loops: optionally `loop_params(params) -> params` — the layout the one-token loops (decode, drafting) read, made
+  once per call before the loop (Llama fuses its projections: fewer, larger matmuls per step).
 - the prefix cache: `prefix_layout(config, dtype, block_size) -> BlockLayout`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family
@@ -87,6 +89,7 @@ class Family:
     prefix_layout: Callable[..., Any] | None = None
     check_draft_len: Callable[..., Any] | None = None
     shard_params: Callable[..., Any] | None = None
+    loop_params: Callable[..., Any] | None = None
     default_compressor: str = "streaming"  # the draft maker used when none is named (chosen by measurement)
 
     def require(self, field: str, feature: str) -> Callable[..., Any]:

@@ -135,10 +135,11 @@ BLOCK = 1024
 # one shot; prefill chunks and long verifies stay blocked. The choice depends only on static shapes, so a verify and
 # its reference decoder (same rows) still run the same program.
 ONE_SHOT_MAX_ROWS = 9
-# From this many query rows (prefill chunks) the blocked loop takes key blocks of PREFILL_BLOCK: a block's
-# [rows, block] scores and probabilities then stay in the core's L2. Measured per layer, 256 rows, block 512 vs 1024:
-# 25.8 vs 30.4 ms at 9,216 slots, 122 vs 148 ms at 36,864; with 17-65 rows 1024 stayed faster (9.0 vs 11.5 ms, 65
-# rows at 9,216 slots), so verifies keep BLOCK.
+# From this many query rows (prefill chunks) the blocked loop takes key blocks of PREFILL_BLOCK: a block's scores
+# and probabilities (rows x heads x block f32, 4 MB at 256 rows) are re-read by the softmax passes and the value dot,
+# and half the tile keeps more of them in cache. Measured per layer, 256 rows, block 512 vs 1024: 25.8 vs 30.4 ms at
+# 9,216 slots, 122 vs 148 ms at 36,864; with 17-65 rows 1024 stayed faster (9.0 vs 11.5 ms, 65 rows at 9,216 slots),
+# so verifies keep BLOCK. Whole prefill with the last-row-only logits: `scripts/bench_prefill.py`.
 PREFILL_ROWS = 128
 PREFILL_BLOCK = 512
 

@@ -50,6 +50,8 @@ def draft_slots(params, config, dbatch, last: jax.Array, drafts: jax.Array, coun
     # The invariant part stays out of the loop carry: it is not copied in and out of the loop on every call (with
     # steps = 1 that copy of every slot's draft cache cost as much as the step).
     frozen, live = family.draft_split(dbatch)
+    if steps > 1 and family.loop_params is not None:
+        params = family.loop_params(params)
 
     def body(_, carry):
         live, drafts, count = carry

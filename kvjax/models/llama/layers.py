@@ -19,15 +19,41 @@ from kvjax.models.llama.config import ModelConfig
 Params = dict[str, Any]
 
 
+def fuse_projections(params: Params) -> Params:
+    """`params` with each layer's q/k/v projections (and biases) as one `wqkv` [H, (N + 2K) D] and its gate/up
+    projections as one `w_gate_up` [H, 2I]: two matmuls where there were five.
+
+    For the one-token loops (decode, drafting), which call it once before their loop: a step of the bundled model is
+    a few hundred small ops on XLA:CPU, and the fused form measured 0.70-0.76 vs 0.90-1.10 ms per decode step at 64
+    tokens and 3.0-3.5 vs 3.4-4.0 ms at 8K, same tokens. The concatenation copies the projections once per call,
+    which the loop amortises; the stored layout (weights I/O, sharding by heads, training) stays unfused.
+    """
+    def fuse(layer):
+        layer = dict(layer)
+        layer["wqkv"] = jnp.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
+        if "bq" in layer:
+            layer["bqkv"] = jnp.concatenate([layer.pop("bq"), layer.pop("bk"), layer.pop("bv")], axis=0)
+        layer["w_gate_up"] = jnp.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
+        return layer
+
+    return dict(params, layers=tuple(fuse(layer) for layer in params["layers"]))
+
+
 def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax.Array):
     """Normalised hidden states [B, T, H] -> rotated q [B, T, N, D], k [B, T, K, D], v [B, T, K, D]."""
     B, T, _ = h.shape
     N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    q = h @ layer["wq"]
-    k = h @ layer["wk"]
-    v = h @ layer["wv"]
-    if config.attention_bias:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    if "wqkv" in layer:  # fuse_projections' layout
+        qkv = h @ layer["wqkv"]
+        if config.attention_bias:
+            qkv = qkv + layer["bqkv"]
+        q, k, v = qkv[..., :N * D], qkv[..., N * D:(N + K) * D], qkv[..., (N + K) * D:]
+    else:
+        q = h @ layer["wq"]
+        k = h @ layer["wk"]
+        v = h @ layer["wv"]
+        if config.attention_bias:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(B, T, N, D)
     k = k.reshape(B, T, K, D)
     v = v.reshape(B, T, K, D)
@@ -60,7 +86,11 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
         out, state, aux = attend(i, state, q, k, v)
         x = x + out.reshape(B, T, -1) @ layer["wo"]
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-        x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+        if "w_gate_up" in layer:  # fuse_projections' layout
+            gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+            x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+        else:
+            x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
         new_states.append(state)
         auxes.append(aux)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), tuple(new_states), tuple(auxes)
