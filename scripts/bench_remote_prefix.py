@@ -157,9 +157,12 @@ def main(argv=None):
     finally:
         if args.store is None:
             shutil.rmtree(root, ignore_errors=True)
-    out = dict(model=dict(path=None if args.random else args.checkpoint, random=args.random,
+    # the checkpoint as a path inside the repository (results name no path of the machine they ran on)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckpt = os.path.relpath(os.path.abspath(args.checkpoint), repo)
+    out = dict(model=dict(path=None if args.random else ckpt, random=args.random,
                           config=json.loads(model.config.to_json())),
-               settings={k: v for k, v in vars(args).items() if k not in ("json", "store")},
+               settings={**{k: v for k, v in vars(args).items() if k not in ("json", "store")}, "checkpoint": ckpt},
                contenders=records, runs=runs, jax_backend=jax.default_backend())
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,7 @@ The tensors are the checkpoint's (names and orientation as llama.cpp's own HF co
 interleaved one); the tokenizer is the checkpoint's byte-level BPE (tokens, merges, special tokens). Only what the
 benchmarks need: dense Llama layers (no biases, no q/k norms, no sliding windows); anything else is refused.
 
-Usage: python scripts/gguf_export.py checkpoints/kvjax-code-tiny /tmp/kvjax-code-tiny-f32.gguf
+Usage: python scripts/gguf_export.py checkpoints/kvjax-code-tiny kvjax-code-tiny-f32.gguf
 """
 
 from __future__ import annotations
