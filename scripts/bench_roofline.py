@@ -210,7 +210,7 @@ def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama
     reason = None
     if binary is None:
         reason = ("no llama-bench binary (pass --llama-bench PATH; llama-cpp-python has no binary wheel for this "
-                  "platform, and its vendored llama.cpp builds llama-bench with cmake in ~10 minutes)")
+                  "platform, and its vendored llama.cpp builds llama-bench with cmake in ~6 minutes)")
     else:
         try:
             import gguf  # noqa: F401
