@@ -92,3 +92,14 @@ def best_of(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def parse_contexts(ap, value: str, minimum: int) -> list[int]:
+    """`--context`'s comma-separated prompt lengths, each at least `minimum` tokens (`ap.error` otherwise)."""
+    try:
+        contexts = [int(c) for c in value.split(",") if c]
+    except ValueError:
+        ap.error(f"--context must be comma-separated integers, got {value!r}")
+    if not contexts or min(contexts) < minimum:
+        ap.error(f"--context lengths must be at least {minimum} tokens, got {value!r}")
+    return contexts

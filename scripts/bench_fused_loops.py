@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
-from bench_common import bench_prompts, best_of, load_bench_model  # noqa: E402
+from bench_common import bench_prompts, best_of, load_bench_model, parse_contexts  # noqa: E402
 
 STEPS = 32
 
@@ -40,12 +40,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.context.split(",") if c]
-    except ValueError:
-        ap.error(f"--context must be comma-separated integers, got {args.context!r}")
-    if not contexts or min(contexts) < 64:
-        ap.error(f"--context lengths must be at least 64 tokens, got {args.context!r}")
+    contexts = parse_contexts(ap, args.context, 64)
     model, name = load_bench_model(args.model, False)
     fam = model.family
     if fam.loop_params is None:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
-from bench_common import bench_prompts, load_bench_model  # noqa: E402
+from bench_common import bench_prompts, load_bench_model, parse_contexts  # noqa: E402
 
 
 def kvjax_prefill(model, prompt, before: bool) -> float:
@@ -75,12 +75,7 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.context.split(",") if c]
-    except ValueError:
-        ap.error(f"--context must be comma-separated integers, got {args.context!r}")
-    if not contexts or min(contexts) < steps.DEFAULT_CHUNK:
-        ap.error(f"--context lengths must be at least {steps.DEFAULT_CHUNK} tokens, got {args.context!r}")
+    contexts = parse_contexts(ap, args.context, steps.DEFAULT_CHUNK)
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
     model, name = load_bench_model(args.model, False)

@@ -37,7 +37,7 @@ from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, best_of, load_bench_model  # noqa: E402
+from bench_common import STATIC_DRAFTERS, bench_prompts, best_of, load_bench_model, parse_contexts  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
@@ -309,12 +309,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the records here (and a .png next to it)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.context.split(",") if c]
-    except ValueError:
-        ap.error(f"--context must be comma-separated integers, got {args.context!r}")
-    if not contexts or min(contexts) < 300:
-        ap.error(f"--context lengths must be at least 300 tokens, got {args.context!r}")
+    contexts = parse_contexts(ap, args.context, 300)
     compressors = [c for c in args.compressors.split(",") if c]
     unknown = [c for c in compressors if c not in COMPRESSORS]
     if unknown:

@@ -33,11 +33,10 @@ def prefill_chunk(params, config, cache, tokens: jax.Array, n_valid: jax.Array, 
     Without `all_logits` only the last real row goes through the vocabulary projection (measured at 8K on the
     bundled model: `scripts/bench_prefill.py`)."""
     last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
+    logits, cache = family.forward(params, config, cache, tokens, n_valid, implementation=impl,
+                                   logit_rows=None if all_logits else last[:, None])
     if not all_logits:
-        logits, cache = family.forward(params, config, cache, tokens, n_valid, implementation=impl,
-                                       logit_rows=last[:, None])
         return logits[:, 0], None, cache
-    logits, cache = _forward(family, impl, params, config, cache, tokens, n_valid)
     return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], logits, cache
 
 
