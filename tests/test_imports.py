@@ -26,7 +26,7 @@ LAYERS = [
     ("kvjax.decode",),
     ("kvjax.prefix",),
     ("kvjax.families",),
-    ("kvjax.serve", "kvjax.remote", "kvjax.plots"),
+    ("kvjax.serve", "kvjax.remote", "kvjax.plots", "kvjax.formats"),
     ("kvjax.api",),
     ("kvjax.training",),  # trains and evaluates the bundled models through the public API
     ("kvjax",),  # the package's public face re-exports everything
