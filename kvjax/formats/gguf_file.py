@@ -192,7 +192,8 @@ class GGUFFile:
             c.fail(f"tensor {name!r}: offset {off} is not a multiple of the alignment {align}")
         start = self.data_start + off
         if start + nbytes > self.size:
-            c.fail(f"tensor {name!r}: bytes {start}..{start + nbytes} run past the end of the file ({self.size} bytes)")
+            c.fail(f"truncated or corrupt: tensor {name!r}: bytes {start}..{start + nbytes} run past the end of the "
+                   f"file ({self.size} bytes)")
         return TensorInfo(name, tuple(int(d) for d in reversed(dims)), t, start, nbytes)
 
     def tensor(self, name: str) -> np.ndarray:
