@@ -151,7 +151,7 @@ class GGUFFile:
         # the smallest key/value pair is 13 bytes, the smallest tensor record 24 (empty name, 1 dim): a count the
         # rest of the file cannot hold fails here, not after a loop or an allocation of that size
         if n_kv * 13 + n_tensors * 24 > size - c.pos:
-            c.fail(f"absurd counts: {n_tensors} tensors and {n_kv} metadata entries do not fit in {size} bytes")
+            c.fail(f"truncated or absurd counts: {n_tensors} tensors and {n_kv} metadata entries do not fit in {size} bytes")
         self.metadata: dict = {}
         for i in range(n_kv):
             key = c.string(f"metadata key {i}")

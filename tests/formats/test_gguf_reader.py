@@ -199,7 +199,8 @@ def _broken_files(valid: bytes):
         "has 7 dimensions": _header(n_tensors=1) + _string(b"w") + struct.pack("<I", 7) + bytes(80),
         "run past the end of the file": _header(n_tensors=1) + tensor + struct.pack("<IQ", 0, 0) + bytes(100),
         "truncated or corrupt: tensor": valid[: len(valid) // 3],  # cut in the tensor data
-        "truncated: ": valid[:300],  # cut in the metadata
+        "truncated or absurd counts": valid[:300],  # cut in the metadata
+        "truncated: ": valid[:1500],
     }
 
 
