@@ -100,8 +100,11 @@ def _simulate_host_devices(n: int) -> None:
 def _load_model(args):
     if args.host_devices:
         _simulate_host_devices(args.host_devices)
-    if not os.path.exists(os.path.join(args.model, "config.json")):
-        raise CliError(f"no model at {args.model} (expected a Hugging Face directory with config.json)")
+    from kvjax.formats.named import NAMED_MODELS  # noqa: PLC0415 - no JAX here
+
+    if not os.path.exists(args.model) and args.model not in NAMED_MODELS:
+        raise CliError(f"no model at {args.model} (expected a Hugging Face directory with config.json, a .gguf file, "
+                       f"or a model name: {', '.join(sorted(NAMED_MODELS))})")
     import kvjax
 
     model = kvjax.load(args.model, dtype=args.dtype)
@@ -365,8 +368,9 @@ def register(sub) -> None:
                           'result per line on stdout (or in --json PATH)')
     src.add_argument("--prompt-index", type=int, default=0, help="which held-out text --long-prompt uses (default 0)")
     src.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face-format model directory (default: the "
-                                                          "bundled checkpoints/kvjax-code-tiny)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Hugging Face-format model directory, a .gguf file, or a model name (`kvjax models`, e.g. "
+                        "smollm2-135m-instruct, fetched once) (default: the bundled checkpoints/kvjax-code-tiny)")
     g.add_argument("--new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}, as the Python API)")
     g.add_argument("--mode", choices=["full", "vericache"], default="full",

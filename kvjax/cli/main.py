@@ -1,11 +1,12 @@
 """The `kvjax` console command.
 
-    kvjax generate [--model DIR] (--prompt TEXT | --prompt-file F | --long-prompt N | --prompts-file F.jsonl)
+    kvjax generate [--model DIR|FILE.gguf|NAME] (--prompt TEXT | --prompt-file F | --long-prompt N | --prompts-file F.jsonl)
                    [--chat] [--new-tokens M] [--temperature T --top-p P --top-k K --min-p M --seed S]
                    [--stop TEXT ...] [--ignore-eos] [--logprobs] [--mode full|vericache] [--compressor NAME]
                    [--draft-len X] [--offload] [--compare-full] [--tp N --dp N] [--json [PATH]]
     kvjax bench NAME [--json [PATH]] [-- SCRIPT ARGS]      run scripts/bench_NAME.py (`kvjax bench --list`)
     kvjax cache STORE [--namespace HEX] [--verify] [--evict HEX | --evict-corrupt] [--json [PATH]]
+    kvjax models [--json [PATH]]                           the model names kvjax fetches, and which are cached
     kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix] [--json [PATH]]
 
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
@@ -21,7 +22,7 @@ import json
 import os
 import sys
 
-from kvjax.cli import bench, cache, generate, plot
+from kvjax.cli import bench, cache, generate, models, plot
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
 from kvjax.cli.output import check_output_path
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description="Exact long-context decoding in JAX.")
     p.add_argument("--version", action="version", version=f"kvjax {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (generate, bench, cache, plot):
+    for module in (generate, bench, cache, plot, models):
         module.register(sub)
     return p
 
