@@ -108,6 +108,8 @@ def _load_model(args):
     import kvjax
 
     model = kvjax.load(args.model, dtype=args.dtype)
+    if args.rope_scaling:
+        model = _scale_rope(model, args.rope_scaling)
     if args.tp * args.dp > 1:
         import jax
 
@@ -118,6 +120,39 @@ def _load_model(args):
                            f"{jax.device_count()} (on a CPU, add --host-devices {args.tp * args.dp})")
         model = sharding.shard_model(model, sharding.make_mesh(tp=args.tp, dp=args.dp))
     return model
+
+
+def _scale_rope(model, spec: str):
+    """--rope-scaling KIND:FACTOR: the model's context extended by rope scaling (opt-in, said on stderr)."""
+    import dataclasses
+
+    kind, _, factor = spec.partition(":")
+    try:
+        f = float(factor)
+    except ValueError:
+        raise CliError(f"--rope-scaling takes KIND:FACTOR (e.g. yarn:2), got {spec!r}") from None
+    if model.family.name != "llama":
+        raise CliError(f"--rope-scaling applies to Llama-family models, not {model.family.name!r}")
+    from kvjax.models.llama.config import with_rope_scaling
+
+    trained = model.config.max_position_embeddings
+    model = dataclasses.replace(model, config=with_rope_scaling(model.config, kind, f))
+    log(f"rope scaling {kind} x{f:g}: context {trained} -> {model.config.max_position_embeddings} tokens (positions "
+        f"past {trained} were never trained; quality there is not measured)")
+    return model
+
+
+def check_context(model, n_prompt: int, n_new: int) -> None:
+    """A prompt longer than the model's trained context is refused (opt in with --rope-scaling); new tokens that run
+    past it are warned about on stderr."""
+    limit = model.config.max_position_embeddings
+    factor = -(-(n_prompt + n_new) // limit)
+    if n_prompt > limit:
+        raise CliError(f"prompt of {n_prompt} tokens exceeds the model's trained context of {limit} tokens; to run "
+                       f"past it anyway, opt in to rope scaling with --rope-scaling yarn:{factor}")
+    if n_prompt + n_new > limit:
+        log(f"warning: prompt of {n_prompt} tokens + {n_new} new runs past the model's trained context of {limit} "
+            f"tokens (--rope-scaling yarn:{factor} extends it)")
 
 
 def _sampling_kw(args) -> dict:
@@ -296,6 +331,7 @@ def cmd_generate(args) -> dict:
     from kvjax.api import check_token_ids
 
     ids = check_token_ids(model, ids)
+    check_context(model, int(ids.size), args.new_tokens)
     args.prefix_cache = _open_prefix_cache(args, model)  # a location that is not a store fails here, before any work
     log(f"model {os.path.basename(os.path.normpath(args.model))} ({model.family.name}): "
         f"{model.config.num_layers} layers, prompt {ids.size} tokens, up to {args.new_tokens} new ({args.mode})")
@@ -375,6 +411,9 @@ def register(sub) -> None:
                    help=f"most tokens to generate (default {DEFAULT_MAX_NEW_TOKENS}, as the Python API)")
     g.add_argument("--mode", choices=["full", "vericache"], default="full",
                    help="full-cache decoding or VeriCache (default full)")
+    g.add_argument("--rope-scaling", metavar="KIND:FACTOR",
+                   help="opt in to a context past the model's trained length by rope scaling, e.g. yarn:2 "
+                        "(linear or yarn; Llama family; quality past the trained length is not measured)")
     g.add_argument("--dtype", default="f32", choices=["f32", "bf16"], help="weights and cache dtype (default f32)")
     s = g.add_argument_group("sampling and stopping (every mode)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")

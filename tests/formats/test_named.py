@@ -68,7 +68,7 @@ def test_unreachable_index_fails_in_one_line_with_the_manual_command(tmp_path, m
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(named.CACHE_ENV, str(tmp_path / "c"))
-    assert named.cache_dir() == str(tmp_path / "c")
+    assert named.cache_dir() == str(tmp_path / "c" / "models")
     assert not named.is_cached("smollm2-135m-instruct")
     with pytest.raises(Exception, match="unknown model name 'nope'"):
         named.fetch("nope")

@@ -189,3 +189,24 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         p = os.path.join(p, "config.json")
     with open(p) as f:
         return config_from_hf(json.load(f))
+
+
+def with_rope_scaling(config: ModelConfig, rope_type: str, factor: float) -> ModelConfig:
+    """`config` extended to `factor` x its trained context by rope scaling ("linear" or "yarn"), as HF would run it
+    with `rope_parameters={"rope_type": rope_type, "factor": factor, "original_max_position_embeddings": trained}`.
+
+    Opt-in only: the model never saw the scaled positions, so quality past the trained context is not measured here.
+
+    Raises:
+        UnsupportedConfigError: a rope type other than linear/yarn, a factor <= 1, or a model already scaled.
+    """
+    if rope_type not in ("linear", "yarn"):
+        raise UnsupportedConfigError(f"rope scaling {rope_type!r}; supported: linear, yarn")
+    if not factor > 1:
+        raise UnsupportedConfigError(f"rope scaling factor must be > 1, got {factor}")
+    if config.rope.rope_type != "default":
+        raise UnsupportedConfigError(f"the model already uses {config.rope.rope_type!r} rope scaling")
+    trained = config.max_position_embeddings
+    rope = dataclasses.replace(config.rope, rope_type=rope_type, factor=float(factor),
+                               original_max_position_embeddings=trained)
+    return dataclasses.replace(config, rope=rope, max_position_embeddings=int(trained * factor))
