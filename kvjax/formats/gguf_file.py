@@ -53,8 +53,17 @@ class TensorInfo:
         return _type_name(self.type)
 
 
+def gguf_package():
+    """The `gguf` package (an optional dependency: the `gguf` extra), or one error line saying how to install it."""
+    try:
+        import gguf  # noqa: PLC0415 - needed only for GGUF files
+    except ImportError:
+        raise GGUFError("reading GGUF files needs the gguf package: pip install 'kvjax[gguf]' (or gguf==0.19.0)") from None
+    return gguf
+
+
 def _type_name(t: int) -> str:
-    import gguf  # noqa: PLC0415 - the gguf package is needed only for GGUF files
+    gguf = gguf_package()
 
     try:
         return gguf.GGMLQuantizationType(t).name
@@ -132,6 +141,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        gguf_package()
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
@@ -177,7 +187,7 @@ class GGUFFile:
             self.tensors[name] = self._check_tensor(c, name, dims, t, off, align)
 
     def _check_tensor(self, c: _Cursor, name: str, dims: list[int], t: int, off: int, align: int) -> TensorInfo:
-        import gguf  # noqa: PLC0415
+        gguf = gguf_package()
 
         if t not in gguf.GGML_QUANT_SIZES:
             c.fail(f"tensor {name!r} has {_type_name(t)}, which the gguf package does not know")
@@ -202,8 +212,7 @@ class GGUFFile:
         Raises:
             GGUFError: no such tensor, or a ggml type the gguf package cannot dequantise (naming it).
         """
-        import gguf  # noqa: PLC0415
-
+        gguf = gguf_package()
         info = self.tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.path}: missing tensor {name!r}")
