@@ -33,7 +33,8 @@ def _roundtrip(a, qtype):
     return np.asarray(gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype), np.float32).reshape(a.shape)
 
 
-def write_model(path, model, *, tied, arch="llama", pre="smollm", drop=(), extra_meta=None, f32_only=False):
+def write_model(path, model, *, tied, arch="llama", pre="smollm", drop=(), extra_meta=None, f32_only=False,
+                one_type=None):
     """A GGUF of a toy kvjax model; returns the expected HF-layout tensors (after each type's rounding)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -62,8 +63,8 @@ def write_model(path, model, *, tied, arch="llama", pre="smollm", drop=(), extra
     def put(name, hf, a, qtype=Q.F32, heads=None):
         if name in drop:
             return
-        qtype = Q.F32 if f32_only else qtype
         stored = _interleave(a, heads) if heads else a
+        qtype = Q.F32 if f32_only else (one_type if one_type is not None and stored.ndim == 2 else qtype)
         w.add_tensor(name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
         expected[hf] = _roundtrip(stored, qtype)
         if heads:
@@ -119,6 +120,22 @@ def test_every_tensor_type_loads_in_hf_layout(tmp_path, toy, tied, f32_only):
         ids = [2, 3, 4, 5, 6, 7, 8, 9, 2, 4]
         ref = kvjax.Model(config=c, params={k: v for k, v in toy.params.items() if k != "lm_head"}, family=m.family)
         np.testing.assert_allclose(np.asarray(kvjax.logits(m, ids)), np.asarray(kvjax.logits(ref, ids)), atol=1e-5)
+
+
+def test_two_quantisations_of_one_model_never_share_prefix_entries(tmp_path, toy):
+    from kvjax.prefix.prefill import model_namespace
+
+    ns = {}
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        write_model(tmp_path / f"{qtype.name}.gguf", toy, tied=True, one_type=qtype)
+        m = kvjax.load(str(tmp_path / f"{qtype.name}.gguf"))
+        pc = kvjax.PrefixCache(kvjax.forms_for(m.config, m.cache_dtype))
+        ns[qtype] = model_namespace(m, pc)
+    a, b = ns.values()
+    assert a.digest != b.digest  # same config, tokenizer and runtime: the weights' content tells them apart
+    assert a.semantic["weights"] != b.semantic["weights"]
+    assert {k: v for k, v in a.semantic.items() if k != "weights"} == {k: v for k, v in b.semantic.items()
+                                                                      if k != "weights"}
 
 
 def test_rotary_rows_are_llama_cpp_pairs_undone():
