@@ -73,6 +73,9 @@ def _compile_template(source: str):
 class Tokenizer:
     """A model directory's tokenizer: `tokenizers.Tokenizer` + special tokens + chat template.
 
+    `from_dir` reads a Hugging Face directory; a GGUF file's tokenizer is built from its metadata by
+    `kvjax.formats.gguf_tokenizer.gguf_tokenizer` through the constructor (backend, special tokens, template).
+
     Attributes:
       backend: the `tokenizers.Tokenizer` loaded from tokenizer.json.
       chat_template: jinja source, or None when the directory has none.

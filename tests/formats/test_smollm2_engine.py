@@ -66,6 +66,16 @@ def test_every_drafter_offload_and_sampling_exact(model, prompt):
 
 
 @pytest.mark.slow
+def test_stream_and_sampling_equal_generate(model):
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about rivers."}],
+                                              add_generation_prompt=True)
+    for kw in (dict(), dict(temperature=0.7, top_p=0.9, seed=5)):
+        g = kvjax.generate(model, ids, 48, **kw)
+        assert "".join(d.text for d in kvjax.stream(model, ids, 48, **kw)) == g.text, kw
+        assert g.text.strip()
+
+
+@pytest.mark.slow
 def test_schedulers_exact(model):
     from kvjax.serve.full_scheduler import FullCacheScheduler
     from kvjax.serve.requests import Request
