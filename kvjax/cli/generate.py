@@ -145,7 +145,9 @@ def _scale_rope(model, spec: str):
 def check_context(model, n_prompt: int, n_new: int) -> None:
     """A prompt longer than the model's trained context is refused (opt in with --rope-scaling); new tokens that run
     past it are warned about on stderr."""
-    limit = model.config.max_position_embeddings
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return
     factor = -(-(n_prompt + n_new) // limit)
     if n_prompt > limit:
         raise CliError(f"prompt of {n_prompt} tokens exceeds the model's trained context of {limit} tokens; to run "
