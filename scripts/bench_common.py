@@ -84,6 +84,14 @@ def bench_prompts(model, n_tokens: int, count: int, seed: int):
     return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
 
 
+def tokens_and_stats(result):
+    """(tokens i32[M], stats dict) from a VeriCache run's result: a (tokens, stats[, logits]) tuple, or a
+    `Generation`-like object (array-like tokens with `.stats`)."""
+    if isinstance(result, tuple):
+        return np.asarray(result[0]), result[1]
+    return np.asarray(result), result.stats
+
+
 def best_of(fn, reps: int) -> float:
     """Best wall time in seconds of `reps` calls of fn (which returns something to block on)."""
     best = float("inf")
