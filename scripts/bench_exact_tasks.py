@@ -41,7 +41,7 @@ from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
-from bench_common import STATIC_DRAFTERS, parse_contexts, tokens_and_stats  # noqa: E402
+from bench_common import STATIC_DRAFTERS, model_label, parse_contexts, tokens_and_stats  # noqa: E402
 
 # a 4x budget for every drafter (dropquant, which halves and quantizes, is left out: its budget is not 4x)
 DRAFTERS = {**{k: v for k, v in STATIC_DRAFTERS.items() if k != "dropquant"}, "refresh": dict(ratio=4.0),
@@ -71,16 +71,6 @@ def plain_full(model, full, first, M):
     rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
                            family=model.family, impl=model.attention)
     return jnp.concatenate([first, rest[0]])
-
-
-def model_label(path: str) -> str:
-    """A path inside the repository stays relative; anything else is named by its last component only (results
-    never record a path of the machine that made them)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    full = os.path.abspath(path)
-    if os.path.exists(full) and full.startswith(root + os.sep):
-        return os.path.relpath(full, root)
-    return os.path.basename(os.path.normpath(path))
 
 
 def run_context(model, tasks, names, comps, M, x, log):

@@ -113,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
 
-    model, _ = load_bench_model(args.checkpoint, args.random)
+    model, model_name = load_bench_model(args.checkpoint, args.random)
     M, x = args.new_tokens, args.draft_len
     xs_adapt = DEFAULT_SET
     xmax = max(x, *xs_adapt, 8)
@@ -244,7 +244,7 @@ def main(argv=None):
         records.append(rec)
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
-                           prompt_source=source, model=args.checkpoint if not args.random else "random-init",
+                           prompt_source=source, model=model_name,
                            full_ms_per_token=1000 / full_tps),
                plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
                                        margins_at_first_disagreement=plain_margins),
