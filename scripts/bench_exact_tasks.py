@@ -136,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--model", default="checkpoints/kvjax-code-tiny", help="a model directory kvjax.load reads")
     ap.add_argument("--context", default="4096", help="comma-separated prompt lengths (tokens, at most)")
     ap.add_argument("--tasks", type=int, default=10, help="tasks per context (kinds alternate, depths cycle)")
+    ap.add_argument("--kinds", default="value", help="task kinds, comma-separated (signature: SmolLM2-135M copies "
+                                                      "a 4-parameter list from 4K back in 1 of 4 tries, full cache)")
     ap.add_argument("--depths", default=",".join(str(d) for d in exact_tasks.DEFAULT_DEPTHS))
     ap.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per task (the answer must fit)")
     ap.add_argument("--draft-len", type=int, default=8)
@@ -150,6 +152,9 @@ def main(argv=None):
     if unknown:
         ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(DRAFTERS)})")
     depths = tuple(float(d) for d in args.depths.split(",") if d)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or any(k not in exact_tasks.KINDS for k in kinds):
+        ap.error(f"--kinds: expected some of {', '.join(exact_tasks.KINDS)}, got {args.kinds!r}")
     M, x = args.new_tokens, args.draft_len
 
     model = api.load(args.model)
@@ -158,7 +163,8 @@ def main(argv=None):
     comps = {c: model.family.make_compressor(c, **DRAFTERS[c]) for c in names}
     records, per_task = [], []
     for ctx in contexts:
-        tasks = exact_tasks.make_tasks(model.tokenizer, ctx - M - x - 2, args.tasks, args.seed, depths=depths)
+        tasks = exact_tasks.make_tasks(model.tokenizer, ctx - M - x - 2, args.tasks, args.seed, kinds=kinds,
+                                       depths=depths)
         print(f"[bench] {len(tasks)} tasks of <= {ctx - M - x - 2} prompt tokens; {M} new tokens; x = {x}; "
               f"haystack {exact_tasks.HAYSTACK_DISTRIBUTION} {exact_tasks.haystack_version()}", flush=True)
         runs = run_context(model, tasks, names, comps, M, x, lambda s: print(s, flush=True))
@@ -174,7 +180,7 @@ def main(argv=None):
     print(f"[bench] VeriCache answers equal full-cache decoding's on every task: "
           f"{all(r['identical_fraction'] == 1.0 for r in vcs)} ({len(vcs)} drafter x context runs)")
     out = dict(config=dict(model=model_label(args.model), contexts=contexts, tasks=args.tasks, new_tokens=M,
-                           draft_len=x, depths=depths, seed=args.seed, budget="4x",
+                           draft_len=x, kinds=kinds, depths=depths, seed=args.seed, budget="4x",
                            haystack=f"{exact_tasks.HAYSTACK_DISTRIBUTION}=={exact_tasks.haystack_version()}",
                            backend=jax.default_backend()),
                records=records, tasks=per_task)

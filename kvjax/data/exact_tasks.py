@@ -12,10 +12,11 @@ dependencies, `kvjax.data.dependencies`). Files are taken in a seeded order of t
 set is the same on every machine with the pinned version (`HAYSTACK_DISTRIBUTION`, recorded with each task).
 
 Two kinds, both answered by copying a span the prompt defined once, far back:
-  - `value`: a module-level constant `NAME = "<8 random hex digits>"` is inserted at the stated depth; the prompt
-    ends inside a test, `assert NAME == "`, and the answer is the value and its closing quote;
+  - `value`: a constant `NAME = "<8 random hex digits>"` is inserted at the stated depth; the prompt ends restating
+    it, `NAME = "`, and the answer is the value and its closing quote;
   - `signature`: a function with a unique name and four made-up parameters is inserted at the depth; the prompt ends
-    with a stub re-declaring it, `def name(`, and the answer is the exact parameter list and `):`.
+    restating it, `def name(`, and the answer is the exact parameter list and `):` (compared up to
+    whitespace: one parameter per line is the same list).
 Names and values are drawn from a seeded generator and checked absent from the haystack, so nothing but the
 needle can supply the answer. Needles go in where a statement starts (outside docstrings and brackets), at its
 indentation, so the file around them stays well-formed Python (a needle between two methods is indented as one).
@@ -53,7 +54,10 @@ class ExactTask:
     haystack: tuple          # the source files (paths inside site-packages) the haystack came from
 
     def is_correct(self, continuation: str) -> bool:
-        """Exact check: the decoded continuation starts with the answer."""
+        """Exact check: the decoded continuation starts with the answer, character for character — for a signature
+        up to whitespace (a parameter list written one per line, as the haystack's code does, is the same list)."""
+        if self.kind == "signature":
+            return "".join(continuation.split()).startswith("".join(self.answer.split()))
         return continuation.startswith(self.answer)
 
 
@@ -93,15 +97,15 @@ def _needle(kind: str, rng) -> tuple[str, str, str, tuple]:
     if kind == "value":
         name = _name(rng, 3).upper()
         value = "".join(rng.choice(list(_HEX), 8))
-        return (f'{name} = "{value}"\n\n\n', f'\n\n\ndef test_{name.lower()}():\n    assert {name} == "',
-                f'{value}"', (name, value))
+        return (f'{name} = "{value}"\n\n\n', f'\n\n\n# {name} once more, unchanged:\n{name} = "', f'{value}"',
+                (name, value))
     if kind == "signature":
         fname = _name(rng, 3)
         a, b, c, d = (_name(rng, 2) for _ in range(4))
         params = f"{a}, {b}, *, {c}={int(rng.integers(2, 100))}, {d}=None"
         needle = (f"def {fname}({params}):\n    \"\"\"Combine {a} with {b}.\"\"\"\n"
                   f"    return {a}, {b}, {c}, {d}\n\n\n")
-        return needle, f"\n\n\nclass _Stubs:\n    @staticmethod\n    def {fname}(", f"{params}):", (fname, a, b, c, d)
+        return needle, f"\n\n\n# {fname} once more, unchanged:\ndef {fname}(", f"{params}):", (fname, a, b, c, d)
     raise ValueError(f"unknown exact-task kind {kind!r}; expected one of {KINDS}")
 
 

@@ -55,6 +55,9 @@ def test_answers_are_checked_exactly(tasks):
     assert t.is_correct(t.answer + "\n    x = 1")
     assert not t.is_correct(" " + t.answer)
     assert not t.is_correct(t.answer[:-2] + "0" + t.answer[-1:])
+    sig = tasks[1]
+    assert sig.kind == "signature" and sig.is_correct("\n        " + sig.answer.replace(", ", ",\n        "))
+    assert not sig.is_correct(sig.answer.replace("=None", "=0"))
 
 
 def test_bad_arguments_name_the_problem(tok):
