@@ -6,6 +6,8 @@
   `cached_tokens`): throughput (tokens/s, or GB/s for kernels) against context length, one line per contender.
 - **prefix** — prefix-cache records (`scripts/bench_prefix_cache.py`: kind lookup / restore): lookup latency
   against cached prefix length, and restore time per tier against recomputing the prefix.
+- **accuracy** — records carry an exact-answer `accuracy` (`scripts/bench_exact_tasks.py`): accuracy per
+  contender (lossy cache alone, full cache, VeriCache) and context length, tokens/s written on each bar.
 - **accepted** — records carry `accepted_histogram` (`scripts/bench_vericache.py`, `kvjax generate --mode vericache
   --json`): the share of VeriCache rounds that accepted n drafted tokens, and the mean per contender.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-KINDS = ("throughput", "accepted", "memory", "prefix")
+KINDS = ("throughput", "accepted", "memory", "prefix", "accuracy")
 
 
 def load(paths) -> list[tuple[str, dict]]:
@@ -49,6 +51,8 @@ def detect(docs) -> str:
         return "memory"
     if any(r.get("kind") in ("lookup", "restore") and "prefix_tokens" in r for r in recs):
         return "prefix"
+    if any(isinstance(r.get("accuracy"), (int, float)) and r.get("name") for r in recs):
+        return "accuracy"
     series, _ = throughput_series(docs)
     if any(len(v) > 1 for v in series.values()):
         return "throughput"
@@ -149,6 +153,40 @@ def plot_accepted(docs, out: str) -> dict:
     return dict(contenders=len(rows))
 
 
+def plot_accuracy(docs, out: str) -> dict:
+    """Grouped bars: exact-answer accuracy per contender, one group per context length; tokens/s on each bar."""
+    recs = [r for _, d in docs for r in _records(d) if isinstance(r.get("accuracy"), (int, float)) and r.get("name")]
+    if not recs:
+        raise ValueError("no accuracy in these records (scripts/bench_exact_tasks.py writes them)")
+    names = list(dict.fromkeys(r["name"] for r in recs))
+    ctxs = sorted({r.get("context", 0) for r in recs})
+    plt, (fig, ax) = _figure(figsize=(max(8, 0.55 * len(names) * len(ctxs) + 2), 4.8))
+    width = 0.8 / len(ctxs)
+    for j, c in enumerate(ctxs):
+        by = {r["name"]: r for r in recs if r.get("context", 0) == c}
+        for i, n in enumerate(names):
+            r = by.get(n)
+            if r is None:
+                continue
+            color = "tab:red" if n.startswith("lossy") else "tab:blue" if n.startswith("vc") else "tab:gray"
+            ax.bar(i + (j - (len(ctxs) - 1) / 2) * width, r["accuracy"], width, color=color, alpha=1 - 0.35 * j,
+                   label=f"{c} tokens" if i == 0 else None, edgecolor="k", linewidth=0.3)
+            if r.get("tokens_per_s"):
+                ax.text(i + (j - (len(ctxs) - 1) / 2) * width, r["accuracy"], f"{r['tokens_per_s']:.0f}",
+                        ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("exact-answer accuracy (label: tokens/s)")
+    ax.set_title("exact answers: lossy cache alone (red), full cache (gray), VeriCache (blue)", fontsize=9)
+    if len(ctxs) > 1:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(contenders=len(names), contexts=len(ctxs))
+
+
 def plot_memory(docs, out: str) -> dict:
     import numpy as np
 
@@ -234,5 +272,6 @@ def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
         raise ValueError(f"unknown plot kind {kind!r}; one of {KINDS}")
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
-    fn = {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory, "prefix": plot_prefix}
+    fn = {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory, "prefix": plot_prefix,
+          "accuracy": plot_accuracy}
     return kind, fn[kind](docs, out)

@@ -59,12 +59,22 @@ def random_model_like(checkpoint: str):
     return random_model(family_for(hf.get("model_type")).config_from_hf(hf), tokenizer=tok)
 
 
+def model_label(path: str) -> str:
+    """How results name a model directory: relative to the repository when inside it, else by its last component
+    only (results never record a path of the machine that made them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    if full.startswith(root + os.sep):
+        return os.path.relpath(full, root)
+    return os.path.basename(os.path.normpath(path))
+
+
 def load_bench_model(checkpoint: str, random: bool):
     """(model, name): the trained checkpoint, or a random model of its shape when asked or when it is missing."""
     from kvjax import api
 
     if not random and os.path.exists(os.path.join(checkpoint, "config.json")):
-        return api.load(checkpoint), checkpoint
+        return api.load(checkpoint), model_label(checkpoint)
     if not random:
         print(f"[bench] no trained checkpoint in {checkpoint}: using a random model of its shape", flush=True)
     return random_model_like(checkpoint), "random-init"
@@ -82,6 +92,14 @@ def bench_prompts(model, n_tokens: int, count: int, seed: int):
             print(f"[bench] long_prompts unavailable ({type(e).__name__}: {e}); using random token ids")
     rng = np.random.default_rng(seed)
     return [rng.integers(0, model.config.vocab_size, n_tokens).astype(np.int32) for _ in range(count)], "random ids"
+
+
+def tokens_and_stats(result):
+    """(tokens i32[M], stats dict) from a VeriCache run's result: a (tokens, stats[, logits]) tuple, or a
+    `Generation`-like object (array-like tokens with `.stats`)."""
+    if isinstance(result, tuple):
+        return np.asarray(result[0]), result[1]
+    return np.asarray(result), result.stats
 
 
 def best_of(fn, reps: int) -> float:

@@ -193,16 +193,17 @@ def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_r
     return prefill_s, decode_s
 
 
-def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama_bench=None, new_tokens=64):
+def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama_bench=None, new_tokens=64,
+                    gguf_files=()):
     """llama.cpp on the same weights (GGUF f32 export by `gguf_export.py`): `llama-bench` prefill of the prompt's
     length with flash attention on (at 8K without it prefill ran 631 tokens/s against 2,784 with it) and
     `new_tokens` decode steps at the prompt's depth with it off and on, the faster compared (at 8K 167 vs 71 tokens/s:
     off wins on this CPU); f32 KV cache where the binary accepts `-ctk f32` (stock llama-bench lists only f16 and
     quantized types; a one-line patch adds f32), else its default f16 (recorded). llama-bench feeds random token
-    ids: its speed does not depend on them. Skipped, with the reason recorded, without a llama-bench binary
-    (`--llama-bench PATH` or one on PATH) or the `gguf` package."""
+    ids: its speed does not depend on them. `gguf_files`: the same model in other formats (e.g. the quantized file a
+    model ships as), run alike and named by their main tensor type (their floor: the file's bytes). Skipped, with the
+    reason recorded, without a llama-bench binary (`--llama-bench PATH` or one on PATH) or the `gguf` package."""
     import shutil
-    import subprocess
     import tempfile
 
     L = int(prompt.size)
@@ -223,7 +224,33 @@ def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama
     from gguf_export import export
 
     tmp = tempfile.mkdtemp(prefix="kvjax-gguf-")
-    path = export(checkpoint, os.path.join(tmp, "model-f32.gguf"))
+    try:
+        path = export(checkpoint, os.path.join(tmp, "model-f32.gguf"))
+        got = _llama_bench(binary, path, "llama.cpp", L, rows, floor, wbytes, kv_row_bytes, new_tokens)
+        for extra in gguf_files:  # the same model in other weight formats (e.g. the Q4_1 file it ships as)
+            label = f"llama.cpp {_gguf_weight_type(extra)}"
+            got.update(_llama_bench(binary, extra, label, L, rows, floor, os.path.getsize(extra), kv_row_bytes,
+                                    new_tokens))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return got
+
+
+def _gguf_weight_type(path: str) -> str:
+    """The most common tensor type of a GGUF file by bytes (e.g. 'Q4_1', 'F32')."""
+    import gguf
+
+    sizes = {}
+    for t in gguf.GGUFReader(path).tensors:
+        sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    return max(sizes, key=sizes.get)
+
+
+def _llama_bench(binary, path, label, L, rows, floor, wbytes, kv_row_bytes, new_tokens):
+    """llama-bench on one GGUF file: prefill of L tokens with flash attention on, `new_tokens` decode steps at depth
+    L with it off and on; records steps named `label` + ' prefill' / ' decode'."""
+    import subprocess
+
     threads = str(max(1, os.cpu_count() or 1))
 
     def run(*args):
@@ -234,26 +261,23 @@ def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama
                 return json.loads(r.stdout)
         raise RuntimeError(f"llama-bench failed: {r.stderr[-500:]}")
 
-    try:
-        out = run("-p", str(L), "-n", "0", "-fa", "on") + run("-p", "0", "-n", str(new_tokens), "-d", str(L),
-                                                              "-fa", "off,on")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    out = run("-p", str(L), "-n", "0", "-fa", "on") + run("-p", "0", "-n", str(new_tokens), "-d", str(L),
+                                                          "-fa", "off,on")
     got = {}
     for r in out:
         kv = r.get("type_k")
         if r["n_gen"] == 0:
-            step = "llama.cpp prefill" + (" (flash attention)" if r["flash_attn"] else "")
+            step = f"{label} prefill" + (" (flash attention)" if r["flash_attn"] else "")
             got[step] = record(rows, floor, L, step, L / r["avg_ts"], wbytes, per="prompt",
                                tokens_per_s=r["avg_ts"], kv_type=kv)
         else:
-            step = "llama.cpp decode" + (" (flash attention)" if r["flash_attn"] else "")
+            step = f"{label} decode" + (" (flash attention)" if r["flash_attn"] else "")
             got[step] = record(rows, floor, L, step, 1 / r["avg_ts"],
                                wbytes + L * kv_row_bytes // (1 if kv == "f32" else 2), per="token",
                                tokens_per_s=r["avg_ts"], kv_type=kv)
     # the peer at its best per phase: on this CPU flash attention speeds its prefill up and slows its decode down
-    got["llama.cpp decode"] = min((v for k, v in got.items() if k.startswith("llama.cpp decode")),
-                                  key=lambda v: v["ms"])
+    got[f"{label} decode"] = min((v for k, v in got.items() if k.startswith(f"{label} decode")),
+                                 key=lambda v: v["ms"])
     return got
 
 
@@ -306,6 +330,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens the transformers peer generates")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     ap.add_argument("--llama-bench", default=None, help="a llama-bench binary (default: one on PATH)")
+    ap.add_argument("--gguf", action="append", default=[], help="llama.cpp also runs this GGUF file of the same model "
+                                                                "(repeatable; e.g. the Q4_1 file it ships as)")
     ap.add_argument("--json", default=None, help="write the records here (and a .png next to it)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -335,7 +361,7 @@ def main(argv=None):
                 print(f"  kvjax vs transformers: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
                       f"{rows[-1]['prefill_speedup']:.2f}x", flush=True)
             lc = bench_llama_cpp(args.model, prompt, rows, floor, tree_nbytes(model.params), kv_row,
-                                 args.llama_bench, args.new_tokens)
+                                 args.llama_bench, args.new_tokens, args.gguf)
             if lc:
                 prefill_s = next(r["ms"] / 1e3 for r in rows if r["context"] == L and r["step"] == "prefill")
                 rows.append(dict(context=L, step="kvjax vs llama.cpp",

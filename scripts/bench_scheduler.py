@@ -111,7 +111,8 @@ def plot(path: str, results: list, budget: int) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--model", "--checkpoint", dest="checkpoint", default="checkpoints/kvjax-code-tiny",
+                    help="a model directory kvjax.load reads")
     ap.add_argument("--random", action="store_true", help="random model of the checkpoint's shape")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=16384, help="cache bucket; prompts fill it minus new tokens")

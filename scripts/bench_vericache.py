@@ -38,7 +38,7 @@ from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model  # noqa: E402
+from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model, tokens_and_stats  # noqa: E402
 
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
@@ -96,7 +96,8 @@ def reference(model, full, first, M, x):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default="checkpoints/kvjax-code-tiny")
+    ap.add_argument("--model", "--checkpoint", dest="checkpoint", default="checkpoints/kvjax-code-tiny",
+                    help="a model directory kvjax.load reads")
     ap.add_argument("--random", action="store_true", help="random model of the checkpoint's shape")
     ap.add_argument("--context", type=int, default=32768, help="cache bucket; prompts fill it minus new tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -112,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
 
-    model, _ = load_bench_model(args.checkpoint, args.random)
+    model, model_name = load_bench_model(args.checkpoint, args.random)
     M, x = args.new_tokens, args.draft_len
     xs_adapt = DEFAULT_SET
     xmax = max(x, *xs_adapt, 8)
@@ -185,7 +186,8 @@ def main(argv=None):
                                 vc.run_vericache(model, copy(full), first, prompt, min(M, 2 * xi + 2),
                                                  draft_cache=copy(drafts[c]), **{**kw, "draft_len": xi,
                                                                                  "adaptive": None})
-                    toks, st = vc.run_vericache(model, copy(full), first, prompt, M, draft_cache=copy(drafts[c]), **kw)
+                    toks, st = tokens_and_stats(vc.run_vericache(model, copy(full), first, prompt, M,
+                                                                   draft_cache=copy(drafts[c]), **kw))
                     dt = st["decode_s"]
             results[name] = toks
             a = acc[name]
@@ -242,7 +244,7 @@ def main(argv=None):
         records.append(rec)
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
-                           prompt_source=source, model=args.checkpoint if not args.random else "random-init",
+                           prompt_source=source, model=model_name,
                            full_ms_per_token=1000 / full_tps),
                plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
                                        margins_at_first_disagreement=plain_margins),

@@ -7,7 +7,7 @@
     kvjax bench NAME [--json [PATH]] [-- SCRIPT ARGS]      run scripts/bench_NAME.py (`kvjax bench --list`)
     kvjax cache STORE [--namespace HEX] [--verify] [--evict HEX | --evict-corrupt] [--json [PATH]]
     kvjax models [--json [PATH]]                           the model names kvjax fetches, and which are cached
-    kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix] [--json [PATH]]
+    kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix|accuracy] [--json [PATH]]
 
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
 Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal.

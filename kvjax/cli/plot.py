@@ -13,11 +13,17 @@ def cmd_plot(args) -> dict:
     return dict(output=args.output, kind=kind, **info)
 
 
+def plots_kinds() -> tuple:
+    from kvjax.plots import KINDS
+
+    return KINDS
+
+
 def register(sub) -> None:
     """Add the `plot` subcommand to the parser's subparsers."""
     pl = sub.add_parser("plot", help="plot benchmark JSON (the plot is picked from the content)")
     pl.add_argument("paths", nargs="+", help="benchmark or `kvjax generate --json` result files")
     pl.add_argument("-o", "--output", required=True, help="PNG path")
-    pl.add_argument("--kind", default="auto", choices=["auto", "throughput", "accepted", "memory", "prefix"])
+    pl.add_argument("--kind", default="auto", choices=["auto", *plots_kinds()])
     add_json(pl)
     pl.set_defaults(fn=cmd_plot)

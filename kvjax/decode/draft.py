@@ -52,3 +52,25 @@ def draft_step(params, config, dcache, last: jax.Array, seed: jax.Array, *, x: i
 
     _, dcache, drafts, qlog = jax.lax.fori_loop(0, x, body, (last.astype(jnp.int32), dcache, drafts, qlog))
     return drafts, qlog, (family.draft_join(frozen, dcache) if split else dcache)
+
+
+def decode_from_draft(model, dcache, first: jax.Array, num_tokens: int, *, temperature: float = 0.0,
+                      seed: int = 0) -> jax.Array:
+    """Decode from the draft cache alone, never consulting the full cache: what a lossy-cache method (StreamingLLM,
+    SnapKV, KIVI, ...) emits by itself. The baseline VeriCache's exactness is measured against.
+
+    Args:
+        dcache: the family's draft cache of the prompt (consumed); its ring must hold `num_tokens` slots.
+        first: i32[1] the token after the prompt (from the prefill, as a lossy-cache method computes it before it
+            compresses).
+        num_tokens: tokens to return, `first` included.
+
+    Returns:
+        i32[num_tokens]: `first`, then num_tokens - 1 tokens drafted in one `draft_step` call.
+    """
+    first = jnp.asarray(first, jnp.int32).reshape(1)
+    if num_tokens < 2:
+        return first[:num_tokens]
+    rest, _, _ = draft_step(model.params, model.config, dcache, first, jnp.asarray([seed], jnp.int32),
+                            x=num_tokens - 1, temperature=temperature, family=model.family, impl=model.attention)
+    return jnp.concatenate([first, rest[0]])
