@@ -18,6 +18,7 @@ def register(sub) -> None:
     pl = sub.add_parser("plot", help="plot benchmark JSON (the plot is picked from the content)")
     pl.add_argument("paths", nargs="+", help="benchmark or `kvjax generate --json` result files")
     pl.add_argument("-o", "--output", required=True, help="PNG path")
-    pl.add_argument("--kind", default="auto", choices=["auto", "throughput", "accepted", "memory", "prefix"])
+    pl.add_argument("--kind", default="auto", choices=["auto", "throughput", "accepted", "memory", "prefix",
+                                                          "roofline", "bars"])
     add_json(pl)
     pl.set_defaults(fn=cmd_plot)
