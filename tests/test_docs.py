@@ -12,7 +12,8 @@ from builders import REPO
 
 # a repository path anywhere in the text (code spans, commands, prose) starts at a top-level folder; Markdown links
 # may also be relative to the document
-CITED = re.compile(r"(?<![\w/.-])((?:kvjax|tests|scripts|docs|checkpoints|pallas_kernels|\.ci)/[A-Za-z0-9_./-]*)(?![{*A-Za-z0-9_./-])")
+CITED = re.compile(r"(?<![\w/.-])((?:kvjax|tests|scripts|docs|checkpoints|pallas_kernels|\.ci)/"
+                   r"[A-Za-z0-9_./-]*)(?![{*A-Za-z0-9_./-])")
 LINK = re.compile(r"\]\(([^)#\s:]+)[)#]")
 
 
@@ -29,8 +30,9 @@ def _cited_paths(path: str) -> set[str]:
 
 @pytest.mark.parametrize("doc", _docs(), ids=lambda p: os.path.relpath(p, REPO))
 def test_every_cited_path_exists(doc):
+    here = os.path.dirname(doc)
     missing = [p for p in sorted(_cited_paths(doc))
-               if not os.path.exists(os.path.join(REPO, p)) and not os.path.exists(os.path.join(os.path.dirname(doc), p))]
+               if not os.path.exists(os.path.join(REPO, p)) and not os.path.exists(os.path.join(here, p))]
     assert not missing, f"{os.path.relpath(doc, REPO)} cites paths that do not exist: {missing}"
 
 

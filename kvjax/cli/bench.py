@@ -94,6 +94,15 @@ def _outputs_here(argv: list[str], out_dir: str, default_json: str, script: str)
     return argv
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def register(sub) -> None:
     """Add the `bench` subcommand to the parser's subparsers."""
     b = sub.add_parser("bench", help="run a benchmark suite (scripts/bench_NAME.py); script args after --",

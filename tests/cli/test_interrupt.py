@@ -1,4 +1,4 @@
-"""Ctrl-C ends a real `kvjax generate` process with status 130 — never a segmentation fault — whether it lands in the
+"""Ctrl-C ends a real `kvjax generate` process with status 130 — never a segmentation fault — whether it lands in
 prefill, the warm-up compile or the decode (`kvjax.cli.interrupt`)."""
 
 from __future__ import annotations
