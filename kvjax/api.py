@@ -300,12 +300,12 @@ def generate(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_MAX_NEW_TOK
     seed = _check_seed(seed)
     rule = StopRule(model.config.eos_token_ids, stop, ignore_eos=ignore_eos, tokenizer=model.tokenizer)
     if _is_batch(prompt_ids):
-        _no_batch("stream=True", stream)
-        _no_batch("prefix_cache", prefix_cache is not None)
+        for name, value in (("stream=True", stream), ("prefix_cache", prefix_cache is not None),
+                            ("warmup", warmup), ("progress", progress is not None)):
+            _no_batch(name, value)
         batch = [check_token_ids(model, p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         if logprobs:
-            return [_one_full(model, p, max_new_tokens, sampling, seed + i, rule, True, None, warmup, progress)
-                    for i, p in enumerate(batch)]
+            return [_one_full(model, p, max_new_tokens, sampling, seed + i, rule, True) for i, p in enumerate(batch)]
         return _batch_full(model, batch, max_new_tokens, sampling, seed, rule, budget_bytes)
     ids = check_token_ids(model, prompt_ids)
     if stream:
@@ -440,13 +440,15 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
     if _is_batch(prompt_ids):
         batch = [check_token_ids(model, p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         for name, value in (("stream=True", stream), ("prefix_cache", prefix_cache is not None),
-                            ("rejection", rejection), ("adaptive", adaptive not in (None, False)),
-                            ("return_logits", return_logits), ("offload", offload)):
+                            ("warmup", warmup), ("progress", progress is not None), ("rejection", rejection),
+                            ("adaptive", adaptive not in (None, False)), ("return_logits", return_logits),
+                            ("offload", offload), ("recent_slots", recent_slots != 256),
+                            ("adaptive_policy", adaptive_policy != "cost")):
             _no_batch(name, value)
         if logprobs:  # the scheduler does not compute them: prompt by prompt, as generate does
             return [generate_vericache(model, p, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        min_p=min_p, seed=seed + i, stop=stop, ignore_eos=ignore_eos, logprobs=True,
-                                       warmup=warmup, compressor=compressor, draft_len=draft_len or DEFAULT_FIXED,
+                                       compressor=compressor, draft_len=draft_len or DEFAULT_FIXED,
                                        adaptive=False, recent_slots=recent_slots, compressor_kw=compressor_kw)
                     for i, p in enumerate(batch)]
         x = DEFAULT_FIXED if draft_len is None else draft_len

@@ -145,3 +145,12 @@ def test_generation_config_end_of_turn_ids_stop_the_run(code_model, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "end"}))
     with pytest.raises(InputError, match="eos_token_id must be an integer"):
         kvjax.load(d)
+
+
+def test_batch_refuses_what_it_cannot_honour(code_model):
+    m, ids = code_model, _ids(code_model)
+    for kw in (dict(warmup=True), dict(progress=print), dict(recent_slots=64), dict(offload=True)):
+        with pytest.raises(InputError, match="takes one prompt, not a batch"):
+            kvjax.generate_vericache(m, [ids, ids], 4, **kw)
+    with pytest.raises(InputError, match="progress takes one prompt"):
+        kvjax.generate(m, [ids, ids], 4, progress=print)
