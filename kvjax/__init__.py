@@ -28,4 +28,4 @@ __all__ = ["DEFAULT_MAX_NEW_TOKENS", "BudgetError", "CapacityError", "CorruptEnt
            "Request", "Sampling", "StaleLease", "UnsupportedConfigError", "UnsupportedFeatureError",
            "VeriCacheScheduler", "WeightsError", "check_token_ids", "config_from_hf", "forms_for", "generate",
            "generate_vericache", "load", "load_config", "logits", "reference_decode", "stream"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

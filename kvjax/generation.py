@@ -13,6 +13,7 @@ decoding, VeriCache or a scheduler, so every mode stops at the same token:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,7 +33,13 @@ class Generation:
         finish_reason: "stop" or "length".
         logprobs: f32[n] log-probability of each token under the model's raw distribution, when asked.
         prompt_tokens: prompt length.
-        stats: mode-specific measurements (VeriCache: rounds, acceptance, bytes, ...).
+        stats: measurements: `tokens_per_s` (compilation left out, None when nothing was timed compiled),
+            `decode_s`, and per mode VeriCache's rounds, acceptance, bytes, ... (`kvjax.decode.metrics`).
+        logits: f32[n, V] the logits row that chose each token, when asked (`return_logits=True`).
+
+    Deprecated, for one release: a result of `generate_vericache` / `reference_decode` still unpacks as the tuple
+    those returned before 0.3 (`tokens, stats = kvjax.generate_vericache(...)`), with a DeprecationWarning;
+    iterating any other Generation yields its token ids.
     """
 
     tokens: np.ndarray
@@ -41,6 +48,8 @@ class Generation:
     logprobs: np.ndarray | None = None
     prompt_tokens: int = 0
     stats: dict = dataclasses.field(default_factory=dict)
+    logits: np.ndarray | None = None
+    legacy: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __array__(self, dtype=None, copy=None):
         return self.tokens if dtype is None else self.tokens.astype(dtype)
@@ -49,6 +58,10 @@ class Generation:
         return int(self.tokens.size)
 
     def __iter__(self):
+        if self.legacy is not None:
+            warnings.warn("unpacking a Generation as a tuple is deprecated and goes in kvjax 0.4: read .tokens, "
+                          ".stats, .logits, .logprobs", DeprecationWarning, stacklevel=2)
+            return iter(self.legacy)
         return iter(self.tokens)
 
     def __getitem__(self, i):
@@ -77,11 +90,13 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class Delta:
     """One streamed piece of a generation: new token ids and the text they complete (may be empty while a multi-byte
-    character is incomplete); the last delta carries the finish reason."""
+    character is incomplete); the last delta carries the finish reason. With `logprobs=True`, `logprobs` holds each
+    token id's log-probability."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[float, ...] | None = None  # one per token id, when the stream was asked for them
 
 
 class StopRule:
@@ -151,13 +166,17 @@ class DeltaBuilder:
 
     def __init__(self, rule: StopRule, max_new_tokens: int):
         self.rule, self.max_new, self.tokens, self.shown, self.ended = rule, max_new_tokens, [], "", False
+        self.logprobs: list[float] | None = None  # set once a piece brings logprobs
 
-    def add(self, new) -> Delta | None:
-        """The delta for `new` tokens (None when nothing is ready to show yet)."""
+    def add(self, new, logprobs=None) -> Delta | None:
+        """The delta for `new` tokens (None when nothing is ready to show yet); `logprobs`, one per new token, are
+        carried on the delta that carries the token."""
         if self.ended:
             return None
         start = len(self.tokens)
         self.tokens += [int(t) for t in new]
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + [float(v) for v in logprobs]
         n = self.rule.end(self.tokens[: self.max_new])
         self.ended = n is not None or len(self.tokens) >= self.max_new
         keep = self.tokens[: (n if n is not None else self.max_new)]
@@ -169,9 +188,12 @@ class DeltaBuilder:
         if visible.startswith(self.shown):  # else a tokenizer merge rewrote shown text (rare): wait until it settles
             text, self.shown = visible[len(self.shown):], visible
         ids = tuple(keep[start:]) if start < len(keep) else ()
+        lps = tuple(self.logprobs[start:start + len(ids)]) if self.logprobs is not None else None
         if self.ended:
-            return Delta(ids, text, STOP if n is not None else LENGTH)
-        return Delta(ids, text) if ids or text else None
+            return Delta(ids, text, STOP if n is not None else LENGTH, lps)
+        if not (ids or text):
+            return None
+        return Delta(ids, text, None, lps)
 
 
 def _hold_back(text: str, stop_strings) -> str:
@@ -186,13 +208,15 @@ def _hold_back(text: str, stop_strings) -> str:
 
 
 def finish(tokens: Sequence[int], rule: StopRule, max_new_tokens: int, *, prompt_tokens: int = 0,
-           logprobs=None, stats: dict | None = None) -> Generation:
-    """The `Generation` of a run that produced `tokens` (possibly past its stop point: they are cut here)."""
+           logprobs=None, stats: dict | None = None, logits=None) -> Generation:
+    """The `Generation` of a run that produced `tokens` (possibly past its stop point: they are cut here, and so are
+    `logprobs` f32[n] and `logits` f32[n, V])."""
     toks = np.asarray(tokens, np.int32).reshape(-1)[:max_new_tokens]
     n = rule.end(toks)
     reason = STOP if n is not None else LENGTH
     toks = toks[:n] if n is not None else toks
     lp = None if logprobs is None else np.asarray(logprobs, np.float32)[: toks.size]
     shown = toks[:-1] if toks.size and int(toks[-1]) in rule.ids else toks  # an end id is kept, never shown
+    lg = None if logits is None else np.asarray(logits)[: toks.size]
     return Generation(tokens=toks, text=rule.text(shown), finish_reason=reason, logprobs=lp,
-                      prompt_tokens=prompt_tokens, stats=dict(stats or {}, finish_reason=reason))
+                      prompt_tokens=prompt_tokens, stats=dict(stats or {}, finish_reason=reason), logits=lg)

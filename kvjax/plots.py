@@ -10,6 +10,13 @@
   contender (lossy cache alone, full cache, VeriCache) and context length, tokens/s written on each bar.
 - **accepted** — records carry `accepted_histogram` (`scripts/bench_vericache.py`, `kvjax generate --mode vericache
   --json`): the share of VeriCache rounds that accepted n drafted tokens, and the mean per contender.
+- **roofline** — records carry `step`, `ms` and `floor_ms` (`scripts/bench_roofline.py`): each step's measured time
+  against its memory-bandwidth floor, per context length.
+- **bars** — anything else with labelled numeric records (`docs/results/parity.json`, ...): the first numeric field
+  every record has, one bar per record.
+
+Throughput also reads per-contender dicts (`scripts/bench_prefill.py`'s `tokens_per_s: {name: value}`,
+`scripts/bench_fused_loops.py`'s `ms_per_token`) and `contenders` lists (`scripts/bench_remote_prefix.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 import json
 import os
 
-KINDS = ("throughput", "accepted", "memory", "prefix", "accuracy")
+KINDS = ("throughput", "accepted", "memory", "prefix", "accuracy", "roofline", "bars")
+LABELS = ("name", "step", "model", "family", "mode", "kernel")
 
 
 def load(paths) -> list[tuple[str, dict]]:
@@ -34,9 +42,10 @@ def load(paths) -> list[tuple[str, dict]]:
 
 
 def _records(doc: dict) -> list[dict]:
-    recs = doc.get("records")
-    if isinstance(recs, list):
-        return [r for r in recs if isinstance(r, dict)]
+    for key in ("records", "contenders"):
+        recs = doc.get(key)
+        if isinstance(recs, list):
+            return [r for r in recs if isinstance(r, dict)]
     return [doc]  # a single result (e.g. `kvjax generate --json`)
 
 
@@ -53,6 +62,8 @@ def detect(docs) -> str:
         return "prefix"
     if any(isinstance(r.get("accuracy"), (int, float)) and r.get("name") for r in recs):
         return "accuracy"
+    if any("step" in r and "floor_ms" in r and "ms" in r for r in recs):
+        return "roofline"
     series, _ = throughput_series(docs)
     if any(len(v) > 1 for v in series.values()):
         return "throughput"
@@ -60,8 +71,10 @@ def detect(docs) -> str:
         return "accepted"
     if series:
         return "throughput"
+    if bar_values(docs)[0]:
+        return "bars"
     raise ValueError("no plottable data: expected records with timeline, accepted_histogram, tokens_per_s with a "
-                     "context length, or kernel cached_tokens/gbps")
+                     "context length, kernel cached_tokens/gbps, or labelled numbers")
 
 
 def throughput_series(docs) -> tuple[dict[str, list[tuple[int, float]]], str]:
@@ -77,8 +90,16 @@ def throughput_series(docs) -> tuple[dict[str, list[tuple[int, float]]], str]:
                 series.setdefault(name, []).append((int(r["cached_tokens"]), float(r["gbps"])))
                 unit = "GB/s read"
                 continue
-            c = r.get("prompt_tokens", ctx)
-            if c is None:
+            c = r.get("prompt_tokens", r.get("context", ctx))
+            if c is None or "floor_ms" in r:  # roofline records have their own plot
+                continue
+            per = r.get("tokens_per_s") if isinstance(r.get("tokens_per_s"), dict) else None
+            if per is None and isinstance(r.get("ms_per_token"), dict):
+                per = {k: 1e3 / v for k, v in r["ms_per_token"].items() if isinstance(v, (int, float)) and v > 0}
+            if per is not None:  # one record, several contenders
+                for name, v in per.items():
+                    if isinstance(v, (int, float)):
+                        series.setdefault(name, []).append((int(c), float(v)))
                 continue
             if r.get("tokens_per_s") is not None:
                 name = r.get("name") or r.get("mode") or "run"
@@ -264,6 +285,69 @@ def plot_prefix(docs, out: str) -> dict:
     return dict(lookups=len(look), restores=len(rest))
 
 
+def plot_roofline(docs, out: str) -> dict:
+    import numpy as np
+
+    recs = [r for _, d in docs for r in _records(d) if "floor_ms" in r and "ms" in r and "step" in r]
+    if not recs:
+        raise ValueError("no roofline records (step, ms, floor_ms: scripts/bench_roofline.py)")
+    ctxs = sorted({r.get("context", 0) for r in recs})
+    plt, (fig, axes) = _figure(1, len(ctxs), figsize=(6 * len(ctxs), 0.45 * max(len(recs) // len(ctxs), 4) + 1.5),
+                               squeeze=False)
+    for ax, c in zip(axes[0], ctxs):
+        rows = [r for r in recs if r.get("context", 0) == c]
+        y = np.arange(len(rows))
+        ax.barh(y - 0.2, [r["ms"] for r in rows], height=0.4, label="measured")
+        ax.barh(y + 0.2, [r["floor_ms"] for r in rows], height=0.4, color="tab:gray", label="bandwidth floor")
+        for i, r in enumerate(rows):
+            ax.text(r["ms"], i - 0.2, f" {r['ms'] / max(r['floor_ms'], 1e-12):.1f}x", va="center", fontsize=7)
+        ax.set_yticks(y, [f"{r['step']} (/{r.get('per', '?')})" for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (log)")
+        ax.set_title(f"context {c}: measured vs memory-bandwidth floor", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(steps=len(recs), contexts=len(ctxs))
+
+
+def bar_values(docs) -> tuple[list[tuple[str, float]], str]:
+    """[(label, value)] of the first numeric field every labelled record has, and the field's name."""
+    recs = [(fn, r) for fn, d in docs for r in _records(d)]
+    labelled = [(next((str(r[k]) for k in LABELS if k in r), None), r) for _, r in recs]
+    labelled = [(lab, r) for lab, r in labelled if lab is not None]
+    if not labelled:
+        return [], ""
+    first = labelled[0][1]
+    for key, v in first.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
+                isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) for _, r in labelled):
+            return [(lab, float(r[key])) for lab, r in labelled], key
+    return [], ""
+
+
+def plot_bars(docs, out: str) -> dict:
+    vals, key = bar_values(docs)
+    if not vals:
+        raise ValueError("no labelled numeric records to plot")
+    plt, (fig, ax) = _figure(figsize=(8, 0.4 * len(vals) + 1.5))
+    ax.barh(range(len(vals)), [v for _, v in vals])
+    ax.set_yticks(range(len(vals)), [lab for lab, _ in vals], fontsize=8)
+    ax.invert_yaxis()
+    if min(v for _, v in vals) > 0 and max(v for _, v in vals) / min(v for _, v in vals) > 100:
+        ax.set_xscale("log")
+    ax.set_xlabel(key)
+    ax.set_title(", ".join(n for n, _ in docs), fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return dict(bars=len(vals), field=key)
+
+
 def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
     """Read benchmark JSON files, pick (or use) a plot kind, write a PNG to `out`. Returns (kind, info)."""
     docs = load(paths)
@@ -273,5 +357,5 @@ def plot_files(paths, out: str, *, kind: str = "auto") -> tuple[str, dict]:
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
     fn = {"throughput": plot_throughput, "accepted": plot_accepted, "memory": plot_memory, "prefix": plot_prefix,
-          "accuracy": plot_accuracy}
+          "accuracy": plot_accuracy, "roofline": plot_roofline, "bars": plot_bars}
     return kind, fn[kind](docs, out)

@@ -15,7 +15,7 @@ input rows, so each layer needs one all-reduce after attention and one after the
 Limits: the rules here are the Llama family's (`kvjax.models.llama`; DeepSeek-V4's split is
 `kvjax.models.deepseek_v4.sharding`, placed through `shard_model` by its family value, and `shard_cache` /
 `init_sharded_cache` know only the `[B, K, ...]` Llama cache layout); sums over heads happen on several devices, so sharded logits agree
-with single-device logits to float rounding, not necessarily bit for bit (tests/test_mesh.py measures it). The Pallas
+with single-device logits to float rounding, not necessarily bit for bit (tests/test_sharding.py measures it). The Pallas
 GPU kernels are custom calls that XLA cannot partition; on a multi-GPU mesh run them under `shard_map` or use the
 "xla" attention implementation. Multi-host start-up: docs/multi_host.md.
 """

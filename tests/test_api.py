@@ -49,9 +49,9 @@ def test_sampling_filters_and_seeds(model):
 def test_vericache_exact_under_every_sampling_filter(model, kw):
     ids = _ids(60, seed=1)
     ref = kvjax.reference_decode(model, ids, 20, draft_len=4, seed=5, **kw)
-    out, stats = kvjax.generate_vericache(model, ids, 20, draft_len=4, seed=5, ignore_eos=True, **kw)
-    np.testing.assert_array_equal(out, ref)
-    assert stats["finish_reason"] == "length"
+    g = kvjax.generate_vericache(model, ids, 20, draft_len=4, seed=5, ignore_eos=True, **kw)
+    np.testing.assert_array_equal(g.tokens, ref.tokens)
+    assert g.finish_reason == "length"
 
 
 def test_stop_ids_strings_eos_and_finish_reason(code_model):
@@ -69,8 +69,8 @@ def test_stop_ids_strings_eos_and_finish_reason(code_model):
     n_eos = int(np.nonzero(free.tokens == eos)[0][0]) + 1
     assert len(kvjax.generate(m_eos, ids, 40)) == n_eos
     assert len(kvjax.generate(m_eos, ids, 40, ignore_eos=True)) == 40
-    out, st = kvjax.generate_vericache(m_eos, ids, 40, draft_len=4)
-    assert len(out) == n_eos and st["finish_reason"] == "stop"
+    g = kvjax.generate_vericache(m_eos, ids, 40, draft_len=4)
+    assert len(g) == n_eos and g.finish_reason == "stop"
     # a stop string: text cut where it begins, tokens end at the token that completed it
     text = free.text
     stop = text[10:13]
@@ -96,9 +96,9 @@ def test_ragged_batches_through_the_schedulers(model):
     for p, g in zip(prompts, gens):
         np.testing.assert_array_equal(g, kvjax.generate(model, p, 12))
     outs = kvjax.generate_vericache(model, prompts, 12, draft_len=4, ignore_eos=True)
-    for p, (t, st) in zip(prompts, outs):
-        np.testing.assert_array_equal(t, kvjax.reference_decode(model, p, 12, draft_len=4))
-        assert st["finish_reason"] == "length"
+    for p, g in zip(prompts, outs):
+        np.testing.assert_array_equal(g.tokens, kvjax.reference_decode(model, p, 12, draft_len=4).tokens)
+        assert g.finish_reason == "length" and g.prompt_tokens == len(p)
     # a 2-D list is a batch, never flattened into one prompt
     assert len(kvjax.generate(model, [[1, 2, 3], [4, 5, 6]], 4)) == 2
 

@@ -26,6 +26,9 @@ def bench_suites() -> dict[str, str]:
     return out
 
 
+OUTPUT_FLAGS = ("--json", "--plot")  # the scripts' output paths: resolved from where the user is, not the repository
+
+
 def cmd_bench(args) -> dict:
     import subprocess
 
@@ -37,10 +40,16 @@ def cmd_bench(args) -> dict:
         return dict(suites=suites)
     if args.name not in suites:
         raise CliError(f"unknown benchmark {args.name!r}; available: {', '.join(suites)}")
-    cmd = [sys.executable, os.path.join(SCRIPTS, f"bench_{args.name}.py"), *args.script_args]
+    out_dir = os.path.abspath(args.out or os.getcwd())
+    if not os.path.isdir(out_dir):
+        raise CliError(f"--out {args.out}: folder does not exist")
+    script = os.path.join(SCRIPTS, f"bench_{args.name}.py")
+    script_args = _outputs_here(list(args.script_args), out_dir, f"bench_{args.name}.json", script)
+    cmd = [sys.executable, script, *script_args]
     log("running: " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
-    # the script's own table goes to stderr when stdout carries our JSON
+    # the script's own table goes to stderr when stdout carries our JSON; it runs from the repository root, where its
+    # default model paths (checkpoints/...) resolve
     try:
         err_fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # stderr is not a file (captured): relay the output after
@@ -52,14 +61,37 @@ def cmd_bench(args) -> dict:
     else:
         r = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         sys.stderr.write(r.stdout)
-    result = dict(suite=args.name, args=args.script_args, returncode=r.returncode,
+    result = dict(suite=args.name, args=script_args, returncode=r.returncode,
                   seconds=round(time.perf_counter() - t0, 3))
-    out_json = _flag_value(args.script_args, "--json")
-    if out_json:
-        result["result_json"] = os.path.join(ROOT, out_json) if not os.path.isabs(out_json) else out_json
     if r.returncode:
         raise CliError(f"benchmark {args.name} exited with status {r.returncode}")
+    out_json = _flag_value(script_args, "--json")
+    if out_json and os.path.exists(out_json):
+        result["result_json"] = out_json
+        log(f"wrote {out_json}")
+        png = _flag_value(script_args, "--plot") or os.path.splitext(out_json)[0] + ".png"
+        if os.path.exists(png):
+            result["plot"] = png
+            log(f"wrote {png}")
     return result
+
+
+def _outputs_here(argv: list[str], out_dir: str, default_json: str, script: str) -> list[str]:
+    """The script's arguments with its output paths absolute: a relative --json/--plot resolves from `out_dir` (the
+    user's working directory or `--out`), and a script that takes --json gets `out_dir/bench_NAME.json` when none
+    was given."""
+    for i, a in enumerate(argv):
+        for flag in OUTPUT_FLAGS:
+            if a == flag and i + 1 < len(argv):
+                argv[i + 1] = os.path.join(out_dir, argv[i + 1])
+            elif a.startswith(flag + "="):
+                argv[i] = flag + "=" + os.path.join(out_dir, a.split("=", 1)[1])
+    if _flag_value(argv, "--json") is None and not {"-h", "--help"} & set(argv):
+        with open(script, encoding="utf-8") as f:
+            takes_json = '"--json"' in f.read()
+        if takes_json:
+            argv += ["--json", os.path.join(out_dir, default_json)]
+    return argv
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -74,9 +106,12 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 def register(sub) -> None:
     """Add the `bench` subcommand to the parser's subparsers."""
     b = sub.add_parser("bench", help="run a benchmark suite (scripts/bench_NAME.py); script args after --",
-                       description="Runs scripts/bench_NAME.py from the repository root (relative paths in the "
-                                   "script's arguments resolve from there).")
+                       description="Runs scripts/bench_NAME.py from the repository root (relative model paths in the "
+                                   "script's arguments resolve from there); its JSON and plot go to the working "
+                                   "directory (or --out) and their paths are printed.")
     b.add_argument("name", nargs="?")
     b.add_argument("--list", action="store_true", help="list the suites")
+    b.add_argument("--out", metavar="DIR", help="folder for the script's JSON and plot (default: the working "
+                                                "directory; a relative --json/--plot after -- resolves here too)")
     add_json(b)
     b.set_defaults(fn=cmd_bench)

@@ -24,10 +24,14 @@ def cmd_cache(args) -> dict:
     from kvjax.prefix import inspect as store_inspect
 
     report = store_inspect.inspect(args.store, namespace=args.namespace, verify=args.verify or args.evict_corrupt)
+    evicted = {}
     if args.evict:
-        report["evicted_namespaces"] = store_inspect.evict_namespace(args.store, args.evict)
+        evicted["evicted_namespaces"] = store_inspect.evict_namespace(args.store, args.evict)
     if args.evict_corrupt:
-        report["evicted_corrupt"] = store_inspect.evict_entries(args.store, report["corrupt"])
+        evicted["evicted_corrupt"] = store_inspect.evict_entries(args.store, report["corrupt"])
+    if evicted:  # the report describes the store as it is now, after the eviction
+        report = dict(store_inspect.inspect(args.store, namespace=args.namespace, verify=args.evict_corrupt),
+                      **evicted)
     if not args.json_stdout:
         print(store_inspect.format_report(report))
     if report.get("corrupt") and not args.evict_corrupt:

@@ -18,23 +18,32 @@ MAX_DRAFT_LEN = 256  # == kvjax.decode.vericache.MAX_DRAFT_LEN
 ADAPTIVE_SET = (2, 4, 8, 16, 32)  # == kvjax.decode.draft_length.DEFAULT_SET (this module imports no JAX)
 COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "refresh", "refresh_kivi2",
                "refresh_kivi4")
-# drafts per verification when --draft-len is not given: the length the default draft maker was measured best at
-DEFAULT_DRAFT_LEN = 32  # a fixed draft length where adaptation is not available (--prompts-file batches)
-ADAPTIVE_START = 8  # the first round's draft length of an adaptive run without --draft-len
+DEFAULT_DRAFT_LEN = 32  # == draft_length.DEFAULT_FIXED: a fixed x where adaptation is not available (batches)
+ADAPTIVE_START = 8  # == draft_length.DEFAULT_START: the first round's x of an adaptive run without --draft-len
 VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "offload", "compare_full", "rejection")
 
 
 # ------------------------------------------------------------------------------------------------ checks
 def check_args(args) -> None:
     """Every refusal that needs no model: ranges, contradictions, flags meaningless in the mode."""
-    given = [f for f in ("prompt", "prompt_file", "long_prompt", "prompts_file") if getattr(args, f)]
+    given = [f for f in ("prompt", "prompt_file", "long_prompt", "prompts_file") if getattr(args, f) is not None]
     if len(given) != 1:
         names = ", ".join("--" + f.replace("_", "-") for f in given) or "none"
         raise CliError(f"give exactly one of --prompt, --prompt-file, --long-prompt, --prompts-file (got {names})")
+    if args.prompt is not None and not args.prompt:
+        raise CliError("--prompt is empty: give the text to continue")
     if args.new_tokens < 1:
         raise CliError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.long_prompt is not None and args.long_prompt < 1:
         raise CliError(f"--long-prompt must be >= 1 tokens, got {args.long_prompt}")
+    if args.prompt_index is not None and args.long_prompt is None:
+        raise CliError("--prompt-index picks the held-out text of --long-prompt; it means nothing with "
+                       f"--{given[0].replace('_', '-')}")
+    if args.prompt_index is not None and args.prompt_index < 0:
+        raise CliError(f"--prompt-index must be >= 0, got {args.prompt_index}")
+    if args.chat and args.long_prompt is not None:
+        raise CliError("--chat wraps text in the chat template; --long-prompt is raw held-out code (use --prompt-file "
+                       "with --chat to template a file)")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise CliError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -67,10 +76,11 @@ def check_args(args) -> None:
                            f"got {args.draft_len}")
         if args.compare_full and args.prompts_file:
             raise CliError("--compare-full checks one prompt, not a --prompts-file batch")
+        if args.compare_full and args.rejection:
+            raise CliError("--compare-full checks token-for-token exactness, which --rejection does not promise "
+                           "(rejection sampling preserves the distribution, not the sample): drop one of them")
     if args.prefix_store and args.prompts_file:
         raise CliError("--prefix-store takes one prompt, not a --prompts-file batch")
-    if args.prompts_file and args.logprobs and args.mode == "vericache":
-        raise CliError("--logprobs with --mode vericache takes one prompt, not a --prompts-file batch")
     check_output_path(args.json)
 
 
@@ -170,7 +180,8 @@ def _stop_rule(args, model):
 
 # ------------------------------------------------------------------------------------------------ one prompt
 def _run_full(model, ids, args, text: TextStream):
-    """Full-cache decoding, streamed chunk by chunk; the decode is timed after its compile (warm-up on a copy)."""
+    """Full-cache decoding, streamed chunk by chunk; the decode is timed compiled (`kvjax.api` leaves chunks that
+    compiled out of tokens_per_s; the warm-up compiles the chunk on a copy first so that there is one to time)."""
     from kvjax import api
     from kvjax.decode.sampling import Sampling
     from kvjax.generation import DeltaBuilder, finish
@@ -178,14 +189,13 @@ def _run_full(model, ids, args, text: TextStream):
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     deltas = DeltaBuilder(rule, n)
-    toks, lps, t0, plans = [], [], None, []
+    toks, lps, plans, timing = [], [], [], {}
     with progress_bar(ids.size, "prefill") as pbar:
         chunks = api._full_chunks(model, ids, n, sampling, args.seed, args.logprobs, rule,
                                   on_prefill=lambda d: pbar.update(d - pbar.n), warmup=args.warmup,
-                                  prefix_cache=args.prefix_cache, plans=plans)
+                                  prefix_cache=args.prefix_cache, plans=plans, timing=timing)
         first, first_lp = next(chunks)
-    prefix = _prefix_report(plans[0] if plans else None)  # logged before any text streams
-    t0 = time.perf_counter()
+    _log_plan(plans[0] if plans else None)  # logged before any text streams
     bar = progress_bar(n, "decode") if not text.live else None
     for new, lp in _chain([(first, first_lp)], chunks):
         toks += new
@@ -197,11 +207,11 @@ def _run_full(model, ids, args, text: TextStream):
             bar.update(min(len(toks), n) - bar.n)
         if deltas.ended:
             break
-    dt = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    g = finish(toks, rule, n, prompt_tokens=int(ids.size), logprobs=lps if args.logprobs else None)
-    return g, dict(tokens_per_s=round((len(g) - 1) / dt, 2) if len(g) > 1 and dt > 0 else None, **prefix)
+    stats = dict(api._timing_stats(timing), **api.prefix_stats(plans[0] if plans else None))
+    g = finish(toks, rule, n, prompt_tokens=int(ids.size), logprobs=lps if args.logprobs else None, stats=stats)
+    return g, g.stats
 
 
 def _chain(*its):
@@ -210,61 +220,60 @@ def _chain(*its):
 
 
 def _run_vericache(model, ids, args, text: TextStream):
-    """VeriCache with the prefill's progress, a compile warm-up on a copy, and each round's text as it is verified."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvjax.decode import vericache
+    """VeriCache (`kvjax.api.vericache_one`) with the prefill's progress, a compile warm-up on a copy, and each
+    round's text as it is verified."""
+    from kvjax import api
     from kvjax.decode.sampling import Sampling
-    from kvjax.generation import DeltaBuilder, finish
+    from kvjax.generation import DeltaBuilder
 
     rule, n = _stop_rule(args, model), args.new_tokens
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     # measured (README): adapting x beats every fixed x on the bundled checkpoint, so it is what a run without
-    # --draft-len does; --draft-len alone asks for that fixed length
-    adaptive = args.adaptive or args.draft_len is None
-    x = args.draft_len or ADAPTIVE_START
-    xs = ADAPTIVE_SET if adaptive else (x,)
-    for xi in xs:
-        vericache.check_draft_len(model, xi)
-    comp = model.family.make_compressor(args.compressor)
-    from kvjax import api
-
-    with progress_bar(ids.size, "prefill") as pbar:
-        last, full, plan = api.prefill(model, ids, vericache.capacity_for(ids.size, n, max(xs)),
-                                       prefix_cache=args.prefix_cache, on_chunk=lambda d: pbar.update(d - pbar.n))
-        first = vericache.first_token(last, ids.size, jnp.asarray([args.seed], jnp.int32), sampling)
-    prefix = _prefix_report(plan)
-    kw = dict(compressor=comp, draft_len=x, offload=args.offload, temperature=sampling, seed=args.seed,
-              rejection=args.rejection, adaptive=xs if adaptive else None)
-    warm_s = 0.0
-    if args.warmup and n > 1:
-        # compile the draft/verify steps on a copy first: the full-cache figure (`--compare-full`) is timed compiled,
-        # so VeriCache's must be too
-        t0 = time.perf_counter()
-        with progress_bar(len(xs), "warm-up (compile)") as wbar:
-            for xi in xs:  # every draft length an adaptive run may pick
-                vericache.run_vericache(model, jax.tree.map(jnp.copy, full), first, ids, min(n, 2 * xi + 2),
-                                        **{**kw, "draft_len": xi, "adaptive": None})
-                wbar.update(1)
-        warm_s = time.perf_counter() - t0
-        log(f"warm-up (compile) {warm_s:.1f}s")
+    # --draft-len does (the API's default too); --draft-len alone asks for that fixed length
+    cfg = api.vericache_config(model, n, compressor=args.compressor, draft_len=args.draft_len,
+                               adaptive=True if args.adaptive else None, offload=args.offload,
+                               rejection=args.rejection)
+    args.draft_set = cfg.xs
     deltas = DeltaBuilder(rule, n)
-    bar = progress_bar(n, "decode") if not text.live else None
+    bars = {}
+
+    def on_prefill(done):
+        if "prefill" not in bars:
+            bars["prefill"] = progress_bar(ids.size, "prefill")
+        bars["prefill"].update(done - bars["prefill"].n)
+
+    def on_warmup(k):
+        if "warm" not in bars:
+            _close(bars.pop("prefill", None))
+            bars["warm"] = progress_bar(len(cfg.xs), f"warm-up (compile x={list(cfg.xs)})")
+        bars["warm"].update(k - bars["warm"].n)
 
     def progress(done, new):
+        if "decode" not in bars:
+            _close(bars.pop("prefill", None))
+            _close(bars.pop("warm", None))
+            bars["decode"] = progress_bar(n, "decode") if not text.live else None
         d = deltas.add(new)
         if d is not None:
             text.write(d.text)
-        if bar is not None:
-            bar.update(min(done, n) - bar.n)
+        if bars["decode"] is not None:
+            bars["decode"].update(min(done, n) - bars["decode"].n)
 
-    out, stats = vericache.run_vericache(model, full, first, ids, n, progress=progress,
-                                         should_stop=lambda o: rule.end(o) is not None, **kw)
+    try:
+        g = api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg, logprobs=args.logprobs,
+                              prefix_cache=args.prefix_cache, warmup=args.warmup, progress=progress,
+                              on_prefill=on_prefill, on_plan=_log_plan, on_warmup=on_warmup)
+    finally:
+        for b in bars.values():
+            _close(b)
+    if g.stats.get("warmup_s"):
+        log(f"warm-up (compile) {g.stats['warmup_s']:.1f}s")
+    return g, g.stats
+
+
+def _close(bar) -> None:
     if bar is not None:
         bar.close()
-    g = finish(out, rule, n, prompt_tokens=int(ids.size), stats=stats)
-    return g, {**stats, "warmup_s": round(warm_s, 3), **prefix}
 
 
 def _open_prefix_cache(args, model):
@@ -280,16 +289,15 @@ def _open_prefix_cache(args, model):
     return kvjax.PrefixCache(kvjax.forms_for(model.config, model.cache_dtype), store_url=store)
 
 
-def _prefix_report(plan) -> dict:
-    if plan is None:
-        return {}
-    log(f"prefix cache: {plan}")
-    return dict(prefix_hit_tokens=int(plan.boundary), prefix_recomputed_tokens=int(plan.prompt_tokens - plan.boundary),
-                prefix_plan=plan.summary())
+def _log_plan(plan) -> None:
+    """The prefix cache's Plan on stderr (before any text streams)."""
+    if plan is not None:
+        log(f"prefix cache: {plan}")
 
 
 def _compare_full(args, model, ids, g) -> dict:
-    """Check VeriCache tokens against the full-cache reference decode and time full-cache decoding."""
+    """Check VeriCache tokens against the full-cache reference decode and time full-cache decoding (compiled first,
+    as VeriCache's tokens_per_s counts only rounds that compiled nothing: the ratio compares compiled runs)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -300,8 +308,8 @@ def _compare_full(args, model, ids, g) -> dict:
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     with progress_bar(len(g), "reference decode (check)") as bar:
-        x = args.draft_len or ADAPTIVE_START
-        ref = vericache.reference_decode(model, ids, len(g), draft_len=x, temperature=sampling,
+        xs = args.draft_set  # the reference takes the run's cache capacity (its largest x) and a verify shape
+        ref = vericache.reference_decode(model, ids, len(g), draft_len=xs[0], max_draft=max(xs), temperature=sampling,
                                          seed=args.seed, progress=lambda k: bar.update(k - bar.n))
     identical = bool(np.array_equal(ref, g.tokens))
     with progress_bar(2, "full-cache decode (timing)") as bar:
@@ -365,12 +373,10 @@ def _run_batch(model, args) -> dict:
     t0 = time.perf_counter()
     if args.mode == "full":
         gens = kvjax.generate(model, prompts, args.new_tokens, logprobs=args.logprobs, **kw)
-        rows = [g.to_json() for g in gens]
     else:
-        res = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor,
-                                       draft_len=args.draft_len or DEFAULT_DRAFT_LEN, **kw)
-        rows = [dict(text=model.tokenizer.decode(t.tolist(), skip_special_tokens=True) if model.tokenizer else None,
-                     tokens=t.tolist(), finish_reason=s["finish_reason"], new_tokens=int(t.size)) for t, s in res]
+        gens = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor,
+                                        draft_len=args.draft_len or DEFAULT_DRAFT_LEN, logprobs=args.logprobs, **kw)
+    rows = [g.to_json() for g in gens]
     lines = [json.dumps(dict(index=i, **r)) for i, r in enumerate(rows)]
     if args.json not in (None, "-"):
         with open(args.json, "w", encoding="utf-8") as f:
@@ -404,8 +410,10 @@ def register(sub) -> None:
     src.add_argument("--prompts-file", metavar="FILE.jsonl",
                      help='a batch: one JSON object per line, {"prompt": text} or {"token_ids": [...]}; one JSON '
                           'result per line on stdout (or in --json PATH)')
-    src.add_argument("--prompt-index", type=int, default=0, help="which held-out text --long-prompt uses (default 0)")
-    src.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    src.add_argument("--prompt-index", type=int, help="which held-out text --long-prompt uses (default 0; "
+                                                      "--long-prompt only)")
+    src.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (--prompt, "
+                                                         "--prompt-file, --prompts-file text)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hugging Face-format model directory, a .gguf file, or a model name (`kvjax models`, e.g. "
                         "smollm2-135m-instruct, fetched once) (default: the bundled checkpoints/kvjax-code-tiny)")
@@ -426,7 +434,8 @@ def register(sub) -> None:
     s.add_argument("--stop", action="append", metavar="TEXT", help="stop at this string (repeatable)")
     s.add_argument("--stop-id", action="append", type=int, metavar="ID", help="stop at this token id (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
-    s.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
+    s.add_argument("--logprobs", action="store_true", help="report each token's log-probability (VeriCache: from the "
+                                                            "verification's exact rows)")
     v = g.add_argument_group("VeriCache (--mode vericache only)")
     v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default: the model family's measured best, "
                                                              "`model.family.default_compressor`; DeepSeek-V4 models "
@@ -447,7 +456,8 @@ def register(sub) -> None:
     m.add_argument("--host-devices", type=int, default=0,
                    help="CPU only: simulate N devices (sets XLA_FLAGS before JAX starts) to try --tp/--dp")
     m.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="time the first (compiling) decode calls too")
+                   help="skip the compile warm-up: decode calls that compile are then left out of tokens_per_s "
+                        "(which is absent when every call compiled)")
     g.add_argument("--prefix-store", metavar="URL",
                    help="prefix cache in a TensorStore kvstore (a directory or file:// URL; gs://, s3:// where "
                         "available): created when empty, reused after; reports the hit tokens")

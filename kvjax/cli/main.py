@@ -10,7 +10,8 @@
     kvjax plot RESULT.json [MORE.json ...] -o OUT.png [--kind auto|throughput|accepted|memory|prefix|accuracy] [--json [PATH]]
 
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
-Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal.
+Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal;
+when stderr is not a terminal, each phase prints one line there instead. Ctrl-C exits with status 130.
 `kvjax --version` prints the version. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
 status, never a traceback (set KVJAX_DEBUG=1 to see one).
 """
@@ -21,10 +22,12 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 from kvjax.cli import bench, cache, generate, models, plot
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
+from kvjax.cli.interrupt import exit_on_interrupt
 from kvjax.cli.output import check_output_path
 from kvjax.errors import KvjaxError
 
@@ -57,6 +60,10 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv=None) -> int:
+    """The command: `argv` None reads sys.argv and is the real process (then Ctrl-C exits 130 at once, see
+    `kvjax.cli.interrupt`); a list runs in-process (tests), where KeyboardInterrupt returns 130."""
+    if argv is None and threading.current_thread() is threading.main_thread():
+        exit_on_interrupt()
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = []
     if "--" in argv:  # `kvjax bench NAME -- SCRIPT ARGS`: everything after -- goes to the script untouched
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
         result = args.fn(args)
         if args.command == "generate":
             log(summary(result))
-        if args.json_stdout:
+        if args.json_stdout and not result.get("batch"):  # a batch's stdout is its JSONL rows, nothing else
             print(json.dumps(result, indent=1), flush=True)
         elif args.json and not result.get("batch"):
             with open(args.json, "w", encoding="utf-8") as f:

@@ -44,7 +44,7 @@ def single_prompt(args, model) -> np.ndarray:
             raise CliError("--long-prompt needs a model directory with tokenizer.json")
         from kvjax.data import corpus
 
-        return corpus.long_prompts(model.tokenizer, args.long_prompt, 1, seed=args.prompt_index)[0]
+        return corpus.long_prompts(model.tokenizer, args.long_prompt, 1, seed=args.prompt_index or 0)[0]
     if args.prompt_file:
         return encode(model, read_text(args.prompt_file, "--prompt-file"), args.chat)
     return encode(model, args.prompt, args.chat)

@@ -17,6 +17,23 @@ from __future__ import annotations
 import numpy as np
 
 DEFAULT_SET = (2, 4, 8, 16, 32)
+DEFAULT_START = 8  # the first round's x of an adaptive run not given one
+DEFAULT_FIXED = 32  # the x of a run that cannot adapt (a batch) and was not given one
+
+
+def usable_lengths(xs: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """The lengths of `xs` a run of `max_new_tokens` can use: after the prefill's token, a round of x drafts emits
+    up to x + 1 of the remaining max_new_tokens - 1, so an x > max_new_tokens - 2 would draft past the end (and cost
+    a compile for nothing). The smallest length always stays."""
+    xs = tuple(sorted(xs))
+    return tuple(x for x in xs if x <= max_new_tokens - 2) or xs[:1]
+
+
+def start_length(xs: tuple[int, ...], wanted: int) -> int:
+    """The first round's x: `wanted` when the set has it, else the set's largest length below it (its smallest if
+    none is)."""
+    below = [x for x in xs if x <= wanted]
+    return below[-1] if below else xs[0]
 
 
 class GrowShrink:

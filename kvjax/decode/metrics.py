@@ -1,5 +1,9 @@
 """Per-run decoding metrics: tokens/s, accepted tokens per round, verifications, bytes moved, peak device memory.
 
+Timings leave compilation out: a round whose draft, verify or refresh step compiled (each draft length's first round
+in a fresh process) is counted in `decode_s` and `compile_rounds` but not in `tokens_per_s`, which is the tokens of
+the rounds that compiled nothing over their time (None when every round compiled: warm up, or run longer).
+
 Bytes are ACCOUNTED, not measured (the CPU has no device-memory counters): a draft step reads the weights and the
 whole draft cache once per drafted token, a verify pass reads the weights and the full cache's filled rows once, an
 offloaded verify moves the prompt's full KV host->device once. Peak device memory = what stays on the device
@@ -13,6 +17,12 @@ import dataclasses
 import numpy as np
 
 from kvjax.arrays import tree_nbytes
+
+
+def jit_cache_sizes(fns) -> tuple:
+    """How many compiled programs each jitted function holds (grows when a call compiles). Uses jax's private
+    `_cache_size`; a function without it reads as 0, so its compiles go unnoticed rather than failing the run."""
+    return tuple(getattr(f, "_cache_size", lambda: 0)() for f in fns)
 
 
 @dataclasses.dataclass
@@ -44,13 +54,18 @@ class RunMetrics:
         acc = np.asarray([x["accepted"] for x in r], np.int64)
         xs = np.asarray([x["x"] for x in r], np.int64)
         tok = max(self.emitted, 1)
+        warm = [x for x in r if not x.get("compiled", False)]
+        warm_s = float(sum(x["draft_s"] + x["transfer_s"] + x["verify_s"] + x.get("refresh_s", 0.0) for x in warm))
+        warm_tokens = int(sum(x.get("kept", x["accepted"] + 1) for x in warm))
         hist = np.bincount(acc, minlength=int(xs.max()) + 1 if xs.size else 1).tolist() if acc.size else []
         tot = lambda k: float(sum(x[k] for x in r))  # noqa: E731
         return {
             "name": self.name,
             "emitted": self.emitted,
-            "tokens_per_s": self.emitted / self.decode_s if self.decode_s > 0 else float("nan"),
+            "tokens_per_s": warm_tokens / warm_s if warm and warm_s > 0 else None,
             "decode_s": self.decode_s,
+            "timed_rounds": len(warm),
+            "compile_rounds": len(r) - len(warm),
             "compress_s": self.compress_s,
             "verifications": len(r),
             "mean_accepted_per_round": float(acc.mean()) if acc.size else 0.0,

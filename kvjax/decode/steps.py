@@ -149,6 +149,20 @@ def decode(params, config, cache, first: jax.Array, seed: jax.Array, *, num_step
     return (out[0], family.decode_merge(invariant, out[1])) + tuple(out[2:])
 
 
+@jax.jit
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Log-probability f32[T] of `tokens` i32[T] under the raw logits rows f32[T, V] (f32 log-softmax).
+
+    Row by row (`lax.map`): XLA tiles a [T, V] reduction differently for different T, which moves the last bit, and
+    the same row must give the same number whether it came from a verify of x + 1 rows or the reference decoder."""
+
+    def one(row_tok):
+        row, tok = row_tok
+        return jax.nn.log_softmax(row.astype(jnp.float32))[tok]
+
+    return jax.lax.map(one, (logits, tokens.astype(jnp.int32)))
+
+
 def truncate_at_eos(tokens: np.ndarray, eos_token_ids) -> np.ndarray:
     """Generated tokens up to and including the first end-of-sequence token (all of them when there is none)."""
     if eos_token_ids:

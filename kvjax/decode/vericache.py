@@ -23,6 +23,7 @@ import numpy as np
 from kvjax.arrays import tree_nbytes
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import draft as draft_mod
+from kvjax.decode import metrics
 from kvjax.decode import offload as offl
 from kvjax.decode import refresh as refresh_mod
 from kvjax.decode import sampling, steps
@@ -67,7 +68,8 @@ def _draft_lengths(model, draft_len: int, adaptive) -> tuple:
 def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=None, draft_len: int = 8,
                        offload: bool = False, temperature=0.0, seed: int = 0, rejection: bool = False,
                        adaptive: tuple | None = None, recent_slots: int = 256, compressor_kw: dict | None = None,
-                       progress=None, return_logits: bool = False, should_stop=None, adaptive_policy: str = "cost"):
+                       progress=None, return_logits: bool = False, should_stop=None, adaptive_policy: str = "cost",
+                       return_logprobs: bool = False):
     """Exact decoding of one prompt with a lossy draft cache and full-cache verification.
 
     Args:
@@ -89,10 +91,12 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
             there (the caller cuts at its exact stop token).
         return_logits: also return the logits row that chose each token, f32[max_new_tokens, V] (the first from the
             prefill, the rest from verification): bit-identical to `reference_decode(..., return_logits=True)`.
+        return_logprobs: also return each emitted token's log-probability f32[max_new_tokens] under the exact
+            (full-cache) distribution, computed from the verification's rows.
 
     Returns:
-        (tokens i32[max_new_tokens], stats dict — see `kvjax.decode.metrics.RunMetrics.summary`), plus the logits
-        when `return_logits`.
+        (tokens i32[max_new_tokens], stats dict — see `kvjax.decode.metrics.RunMetrics.summary`; timings leave
+        compilation out), plus the logits when `return_logits`, then the logprobs when `return_logprobs`.
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -106,7 +110,8 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
                          recent_slots=recent_slots, progress=progress, should_stop=should_stop,
                          adaptive_policy=adaptive_policy,
-                         first_logits=first_logits if return_logits else None)
+                         first_logits=first_logits, return_logits=return_logits,
+                         return_logprobs=return_logprobs)
 
 
 def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0,
@@ -124,13 +129,17 @@ def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, tempe
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
                   adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None,
-                  first_logits=None, should_stop=None, adaptive_policy: str = "cost"):
+                  first_logits=None, should_stop=None, adaptive_policy: str = "cost", return_logits: bool = False,
+                  return_logprobs: bool = False, on_round=None):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
-    Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode.
+    Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode, and neither is a
+    round that compiled (`kvjax.decode.metrics`).
     `draft_cache`: an already compressed draft cache of this prompt (consumed; its ring must hold x + 1 rows) —
-    benchmarks compress once and reuse it; `compressor` then only names the run. `first_logits` (the prefill's last
-    row, f32[V]): collect and return every emitted token's logits row as well.
+    benchmarks compress once and reuse it; `compressor` then only names the run. `first_logits`: the prefill's last
+    row f32[V], needed by `return_logits` (every emitted token's logits row) and `return_logprobs` (every emitted
+    token's log-probability under the exact full-cache distribution, f32[n], returned after the logits).
+    `on_round(new i32[k], their logprobs f32[k] or None)`: called with the first token, then each round's tokens.
     """
     params, config, family, impl = model.params, model.config, model.family, model.attention
     comp = family.make_compressor(compressor)
@@ -169,9 +178,16 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         met.device_peak_bytes = met.device_resident_bytes
 
     out = [int(first[0])]
-    rows = None if first_logits is None else [np.asarray(first_logits)[None]]
+    if (return_logits or return_logprobs) and first_logits is None:
+        raise InputError("return_logits / return_logprobs need first_logits (the prefill's last row)")
+    rows = [np.asarray(first_logits)[None]] if return_logits else None
+    lps = [np.asarray(steps.token_logprobs(jnp.asarray(first_logits)[None], first))] if return_logprobs else None
+    jitted = (draft_mod.draft_step, verify_mod.verify_offloaded if offload else verify_mod.verify_step,
+              refresh_mod.refresh_step)
     if progress is not None:
         progress(1, np.asarray(first))
+    if on_round is not None:
+        on_round(np.asarray(first), None if lps is None else lps[0])
     if should_stop is not None and should_stop(out):
         max_new_tokens = 1
     last = first
@@ -181,6 +197,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     since = (0, 0)  # (verifications, drafted tokens) since the refreshing draft last re-selected
     policy = make_policy(adaptive_policy, xs) if len(xs) > 1 else None
     while len(out) < max_new_tokens:
+        compiled_before = metrics.jit_cache_sizes(jitted)
         ta = time.perf_counter()
         drafts, qlog, dcache = draft_mod.draft_step(params, config, dcache, last, seed_a, x=x,
                                                     temperature=temperature, rejection=rejection, family=family,
@@ -212,16 +229,22 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         del committed
         te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round
-        met.add_round(x=x, accepted=n_host, draft_s=tb - ta, transfer_s=tc - tb, verify_s=td - tc, refresh_s=te - td,
+        kept = min(n_host + 1, max_new_tokens - len(out))  # a last round may verify past the end: not counted
+        met.add_round(x=x, accepted=min(n_host, kept), draft_s=tb - ta, transfer_s=tc - tb, verify_s=td - tc,
+                      refresh_s=te - td, compiled=metrics.jit_cache_sizes(jitted) != compiled_before, kept=kept,
                       draft_read_bytes=x * (met.param_bytes + met.draft_bytes),
                       verify_read_bytes=met.param_bytes + fixed_bytes + ctx * row_bytes,
                       h2d_bytes=met.h2d_bytes_per_verify if offload else 0)
         out.extend(int(t) for t in new)
         if rows is not None:
             rows.append(np.asarray(logits[0, :n_host + 1]))
+        if lps is not None:  # outside the timed round: only asked-for work, compiled once per x
+            lps.append(np.asarray(steps.token_logprobs(logits[0], emitted[0]))[:n_host + 1])
         last = emitted[:, n_host]
         if progress is not None:
             progress(min(len(out), max_new_tokens), new)
+        if on_round is not None:
+            on_round(new, None if lps is None else lps[-1])
         if policy is not None:
             x = policy.next(x, n_host, tb - ta, td - tb)
         if should_stop is not None and should_stop(out):
@@ -229,9 +252,12 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     met.decode_s = time.perf_counter() - t_start
     toks = np.asarray(out[:max_new_tokens], np.int32)
     met.emitted = int(toks.size)
+    result = (toks, met.summary())
     if rows is not None:
-        return toks, met.summary(), np.concatenate(rows, axis=0)[:max_new_tokens]
-    return toks, met.summary()
+        result += (np.concatenate(rows, axis=0)[:max_new_tokens],)
+    if lps is not None:
+        result += (np.concatenate(lps)[:max_new_tokens],)
+    return result
 
 
 def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int = 8, temperature: float = 0.0,

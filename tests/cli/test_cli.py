@@ -188,12 +188,15 @@ def test_cache_inspect_verify_evict(tmp_path, capsys):
     assert f"CORRUPT {ns.hex}/swa/{keys[1].hex()}: checksum mismatch" in cap.out
     assert "1 corrupt entries" in _one_error_line_from(cap.err)
     assert cli.main(["cache", str(store), "--evict-corrupt", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["evicted_corrupt"] == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["evicted_corrupt"] == 1 and r["corrupt"] == []  # the report is the store after the eviction
+    assert r["namespaces"][0]["forms"]["swa"]["entries"] == 2
     assert not victim.exists()
     assert cli.main(["cache", str(store), "--verify", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["namespaces"][0]["forms"]["swa"]["entries"] == 2
     assert cli.main(["cache", str(store), "--evict", ns.hex[:8], "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["evicted_namespaces"] == [ns.hex]
+    r = json.loads(capsys.readouterr().out)
+    assert r["evicted_namespaces"] == [ns.hex] and r["namespaces"] == []  # printed after the eviction
     assert cli.main(["cache", str(store), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["namespaces"] == []
 

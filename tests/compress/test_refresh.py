@@ -37,11 +37,12 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
 def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
     m = kvjax.load(hf_model_dir(name)[1])
     p = _prompt(seed=1)
-    ref, ref_lg = kvjax.reference_decode(m, p, 24, draft_len=4, temperature=temperature, seed=2, return_logits=True)
+    r = kvjax.reference_decode(m, p, 24, draft_len=4, temperature=temperature, seed=2, return_logits=True)
+    ref, ref_lg = r.tokens, r.logits
     kw = dict(KW, period=period) if period is not None else {k: v for k, v in KW.items() if k != "min_drafts"}
-    out, st, lg = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=kw,
-                                           draft_len=4, offload=offload, temperature=temperature, seed=2,
-                                           ignore_eos=True, return_logits=True)
+    g = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=kw, draft_len=4, offload=offload,
+                                 temperature=temperature, seed=2, ignore_eos=True, return_logits=True)
+    out, st, lg = g.tokens, g.stats, g.logits
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(lg, ref_lg)
     assert st["verifications"] >= 24 / 5
@@ -115,19 +116,21 @@ def test_refresh_in_the_scheduler_is_exact(hf_model_dir):
     prompts = [_prompt(140, seed=6), _prompt(100, seed=7), _prompt(120, seed=8)]
     outs = kvjax.generate_vericache(m, prompts, 16, compressor="refresh", compressor_kw=KW, draft_len=4,
                                     ignore_eos=True)
-    for p, (t, st) in zip(prompts, outs):
-        np.testing.assert_array_equal(t, kvjax.reference_decode(m, p, 16, draft_len=4))
-        assert st["compressor"] == "refresh"
+    for p, g in zip(prompts, outs):
+        np.testing.assert_array_equal(g.tokens, kvjax.reference_decode(m, p, 16, draft_len=4).tokens)
+        assert g.stats["compressor"] == "refresh"
 
 
 @pytest.mark.parametrize("name,offload,temperature", [("refresh_kivi2", False, 0.0), ("refresh_kivi4", True, 0.8)])
 def test_refresh_over_a_quantized_bulk_is_exact(hf_model_dir, name, offload, temperature):
     m = kvjax.load(hf_model_dir("llama")[1])
     p = _prompt(seed=9)
-    ref, ref_lg = kvjax.reference_decode(m, p, 20, draft_len=4, temperature=temperature, seed=3, return_logits=True)
+    r = kvjax.reference_decode(m, p, 20, draft_len=4, temperature=temperature, seed=3, return_logits=True)
+    ref, ref_lg = r.tokens, r.logits
     kw = {k: v for k, v in KW.items() if k != "ratio"}
-    out, st, lg = kvjax.generate_vericache(m, p, 20, compressor=name, compressor_kw=kw, draft_len=4, offload=offload,
-                                           temperature=temperature, seed=3, ignore_eos=True, return_logits=True)
+    g = kvjax.generate_vericache(m, p, 20, compressor=name, compressor_kw=kw, draft_len=4, offload=offload,
+                                 temperature=temperature, seed=3, ignore_eos=True, return_logits=True)
+    out, st, lg = g.tokens, g.stats, g.logits
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(lg, ref_lg)
     assert 0 < st["draft_bytes_ratio"] < 1

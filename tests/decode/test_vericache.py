@@ -53,11 +53,12 @@ def test_verify_rows_bitwise_equal_reference_row0(hf_model_dir, name):
 @pytest.mark.parametrize("comp", sorted(SMALL))
 def test_greedy_tokens_and_logits_exact_every_compressor(llama, comp):
     for prompt in _prompts(2, 72, seed=1):
-        ref, ref_logits = reference_decode(llama, prompt, 20, draft_len=4, return_logits=True)
-        out, stats, logits = generate_vericache(llama, prompt, 20, compressor=comp, draft_len=4,
-                                                compressor_kw=SMALL[comp], return_logits=True)
-        np.testing.assert_array_equal(out, ref)
-        np.testing.assert_array_equal(logits, ref_logits)
+        ref = reference_decode(llama, prompt, 20, draft_len=4, return_logits=True)
+        g = generate_vericache(llama, prompt, 20, compressor=comp, draft_len=4, compressor_kw=SMALL[comp],
+                               ignore_eos=True, return_logits=True)
+        np.testing.assert_array_equal(g.tokens, ref.tokens)
+        np.testing.assert_array_equal(g.logits, ref.logits)
+        stats = g.stats
         assert stats["verifications"] >= 20 / 5
         assert 0 <= stats["mean_accepted_per_round"] <= 4
         assert 0 < stats["draft_bytes_ratio"] < 1.0
@@ -70,11 +71,11 @@ def test_greedy_tokens_and_logits_exact_every_compressor(llama, comp):
 def test_exact_sliding_offload_and_sampled(hf_model_dir, name, comp, offload, temperature):
     m = load(hf_model_dir(name)[1])
     for i, prompt in enumerate(_prompts(2, 72, seed=2)):
-        ref, ref_logits = reference_decode(m, prompt, 24, draft_len=4, temperature=temperature, seed=i,
-                                           return_logits=True)
-        out, stats, logits = generate_vericache(m, prompt, 24, compressor=comp, draft_len=4, offload=offload,
-                                                temperature=temperature, seed=i, compressor_kw=SMALL[comp],
-                                                return_logits=True)
+        ref = reference_decode(m, prompt, 24, draft_len=4, temperature=temperature, seed=i, return_logits=True)
+        ref, ref_logits = ref.tokens, ref.logits
+        g = generate_vericache(m, prompt, 24, compressor=comp, draft_len=4, offload=offload, temperature=temperature,
+                               seed=i, compressor_kw=SMALL[comp], ignore_eos=True, return_logits=True)
+        out, stats, logits = g.tokens, g.stats, g.logits
         np.testing.assert_array_equal(out, ref)
         np.testing.assert_array_equal(logits, ref_logits)
         if offload and name != "mistral":  # mistral's layers are all sliding: nothing to offload
@@ -84,10 +85,10 @@ def test_exact_sliding_offload_and_sampled(hf_model_dir, name, comp, offload, te
 def test_adaptive_draft_length_exact(llama):
     prompt = _prompts(1, 64, seed=3)[0]
     ref = reference_decode(llama, prompt, 30, draft_len=4, max_draft=8)
-    out, stats = generate_vericache(llama, prompt, 30, compressor="kivi4", draft_len=4, adaptive=(2, 4, 8),
-                                    compressor_kw=SMALL["kivi4"])
-    np.testing.assert_array_equal(out, ref)
-    assert set(stats["draft_lengths"]) <= {2, 4, 8}
+    g = generate_vericache(llama, prompt, 30, compressor="kivi4", draft_len=4, adaptive=(2, 4, 8),
+                           compressor_kw=SMALL["kivi4"], ignore_eos=True)
+    np.testing.assert_array_equal(g.tokens, ref.tokens)
+    assert set(g.stats["draft_lengths"]) <= {2, 4, 8}
 
 
 def test_draft_len_is_checked(hf_model_dir, llama):
@@ -118,7 +119,8 @@ def test_no_recompile_after_warmup(llama, compile_count):
 def test_agreement_with_plain_decoding_reported(llama):
     """Plain one-token decoding may differ in the last bits; measure agreement (not asserted equal)."""
     prompt = _prompts(1, 50, seed=5)[0]
-    ref, margins = reference_decode(llama, prompt, 16, draft_len=4, return_margins=True)
+    r = reference_decode(llama, prompt, 16, draft_len=4, return_margins=True)
+    ref, margins = r.tokens, r.stats["margins"]
     full, first = vc.prefill_for(llama, prompt, 16, max_draft=4)
     rest, _ = steps.decode(llama.params, llama.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=15,
                            family=llama.family, impl=llama.attention)

@@ -58,11 +58,12 @@ def test_verify_rows_bitwise_equal_reference_row0(model):
 ])
 def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejection, offload):
     ids = _ids(model)
-    ref, ref_logits = kvjax.reference_decode(model, ids, NEW, draft_len=4, temperature=temperature, seed=3,
-                                             return_logits=True)
-    out, stats, logits = kvjax.generate_vericache(model, ids, NEW, compressor=comp, compressor_kw=kw, draft_len=4,
-                                                  temperature=temperature, seed=3, rejection=rejection,
-                                                  offload=offload, return_logits=True)
+    r = kvjax.reference_decode(model, ids, NEW, draft_len=4, temperature=temperature, seed=3, return_logits=True)
+    ref, ref_logits = r.tokens, r.logits
+    g = kvjax.generate_vericache(model, ids, NEW, compressor=comp, compressor_kw=kw, draft_len=4,
+                                 temperature=temperature, seed=3, rejection=rejection, offload=offload,
+                                 ignore_eos=True, return_logits=True)
+    out, stats, logits = g.tokens, g.stats, g.logits
     if not rejection:  # rejection sampling preserves the distribution, not the token sequence
         np.testing.assert_array_equal(out, ref)
         np.testing.assert_array_equal(logits, ref_logits)
@@ -75,8 +76,9 @@ def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejecti
 def test_lossy_draft_really_is_lossy_and_greedy_matches_full_decoding(model):
     ids = _ids(model)
     full = kvjax.generate(model, ids, NEW, ignore_eos=True)
-    out, stats = kvjax.generate_vericache(model, ids, NEW, compressor="dropquant",
-                                          compressor_kw=dict(ratio=8.0, sinks=0, bits=2), draft_len=4)
+    g = kvjax.generate_vericache(model, ids, NEW, compressor="dropquant",
+                                 compressor_kw=dict(ratio=8.0, sinks=0, bits=2), draft_len=4)
+    out, stats = g.tokens, g.stats
     np.testing.assert_array_equal(out, full)  # agreement with plain decoding (not guaranteed bitwise, holds here)
     assert stats["mean_accepted_per_round"] < 4  # some drafts were rejected and replaced
 

@@ -1,8 +1,12 @@
 """Parity with Hugging Face transformers (PyTorch CPU) for every supported Llama family."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import kvjax
 from builders import HF_FAMILIES
@@ -11,16 +15,34 @@ from kvjax.decode import steps
 import jax.numpy as jnp
 
 PROMPT_LEN = 70  # several sliding windows (W = 16) and not a multiple of anything
+# set to a path (the README's figures: docs/results/parity.json) to record each family's measured max |Δ logit|
+PARITY_JSON = os.environ.get("KVJAX_PARITY_JSON")
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Collects {family: max |Δ logit|}; written to $KVJAX_PARITY_JSON after the module when it is set."""
+    out = {}
+    yield out
+    if PARITY_JSON and out:
+        recs = [dict(name=n, max_abs_logit_diff=v, prompt_tokens=PROMPT_LEN, config=HF_FAMILIES[n])
+                for n, v in sorted(out.items())]
+        with open(PARITY_JSON, "w", encoding="utf-8") as f:
+            json.dump(dict(meta=dict(reference=f"transformers {transformers.__version__} (PyTorch CPU, f32, eager)",
+                                     command="KVJAX_PARITY_JSON=docs/results/parity.json python -m pytest "
+                                             "tests/models/test_parity.py -k prefill_logits"),
+                           records=recs), f, indent=1)
 
 
 @pytest.mark.parametrize("name", sorted(HF_FAMILIES))
-def test_prefill_logits_match_transformers(hf_model_dir, name):
+def test_prefill_logits_match_transformers(hf_model_dir, name, measured):
     hf, path = hf_model_dir(name)
     model = kvjax.load(path)
     ids = np.random.RandomState(1).randint(0, model.config.vocab_size, size=PROMPT_LEN)
     ref = hf(torch.tensor(ids[None])).logits[0].detach().numpy()
     got = kvjax.logits(model, ids)
     assert got.shape == ref.shape
+    measured[name] = float(np.abs(got - ref).max())
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
