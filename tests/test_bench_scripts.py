@@ -1,3 +1,4 @@
+import pytest
 """The many-request benchmark runs end to end at a tiny size (a name clash once made it fail before its first
 timing, and nothing ran it)."""
 
@@ -9,6 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # ~33 s end to end; the schedulers' exactness stays in CI through tests/serve/test_scheduler.py
 def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
     out = tmp_path / "sched.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_scheduler.py"), "--random",

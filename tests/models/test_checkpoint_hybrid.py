@@ -28,6 +28,7 @@ def test_transformers_loads_it_and_agrees(model):
     np.testing.assert_allclose(kvjax.logits(model, ids), ref, atol=1e-4)
 
 
+@pytest.mark.slow  # ~35 s; the hybrid checkpoint's transformers agreement stays in CI (test_transformers_loads_it_and_agrees)
 def test_trained_loss_beats_uniform_and_generate_runs(model):
     from kvjax.data import corpus
 

@@ -52,6 +52,7 @@ def workload(model):
 BUDGET = 9
 
 
+@pytest.mark.slow  # ~50-75 s of V4 step compiles; the schedulers are family-generic and CI runs them on Llama (test_scheduler.py)
 def test_schedulers_exact_within_budget_and_warm(model, workload, compile_count):
     """One scenario, so the compiled steps are shared (each V4 step compiles for seconds): staggered VeriCache warmed
     on two requests, then all four — exact, within budget, some waiting for a slot, nothing recompiled; lock-step
