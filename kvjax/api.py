@@ -41,8 +41,9 @@ def load(path: str | os.PathLike, *, dtype: str = "f32", attention: str | None =
     Args:
         path: model directory.
         dtype: parameter and cache dtype, "f32" (CPU default: measured ~10x faster than bf16 there) or "bf16".
-        attention: attention implementation: None (Pallas kernels on a GPU, XLA elsewhere), "xla", "pallas",
-            "pallas_interpret", "pallas_debug".
+        attention: attention implementation: None (Pallas kernels on a GPU; on a CPU the native kernel where it
+            builds, else XLA: `pallas_kernels.active_cpu_implementation()`), "xla", "pallas", "pallas_interpret",
+            "pallas_debug", "native".
 
     Raises:
         FileNotFoundError: no config.json.

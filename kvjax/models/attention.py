@@ -156,17 +156,25 @@ def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
     return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
 
 
-# The native kernel against XLA (`default_attention` / `attend_stats`), per layer on the bundled model's shape
-# (8 heads, 4 KV heads, D = 32), f32, 2-core EPYC (Zen 3), best of 5, `scripts/bench_short_verify.py`:
-# NATIVE_CROSSOVER_NOTE
-NATIVE_MIN_SLOTS = 0
+# The native kernel against XLA per layer on the bundled model's shape (8 heads, 4 KV heads, D = 32, f32), native / XLA
+# ms, one interleaved run on the shared 2-core EPYC (Zen 3) under load, best of 3
+# (`scripts/bench_attention_peers.py --rows 1,5,9,17,33,256 --slots 9216,36864 --reps 3`):
+#   9,216 slots:  1 row 7.99/2.98, 5 rows 8.20/14.29, 9 rows 15.5/16.4, 17 rows 22.9/16.2, 33 rows 32.0/22.8,
+#                 256 rows 292/217;
+#   36,864 slots: 1 row 12.3/19.1, 5 rows 27.4/39.4, 9 rows 49.6/68.7, 17 rows 89.2/92.0, 33 rows 184/52,
+#                 256 rows 1146/722.
+# The native kernel scores each query row on its own against the key block (the row-independent order), so with
+# many rows it re-reads the block per row and loses to XLA's batched dots; it wins for few rows over long caches.
+# Hence: native for up to NATIVE_MAX_ROWS rows over at least NATIVE_MIN_SLOTS slots, XLA otherwise.
+NATIVE_MAX_ROWS = 9
+NATIVE_MIN_SLOTS = 16384
 
 
 def native_wins(q: jax.Array, k: jax.Array) -> bool:
     """Whether the native kernel runs this attention (static shapes only, so a verify block and its reference decoder
-    take the same one): f32 keys (it reads f32; a bf16 cache stays on XLA rather than paying a copy) and at least
-    NATIVE_MIN_SLOTS slots (measured crossover, above)."""
-    return k.dtype == jnp.float32 and k.shape[2] >= NATIVE_MIN_SLOTS
+    take the same one): f32 keys (it reads f32; a bf16 cache stays on XLA rather than paying a copy), at most
+    NATIVE_MAX_ROWS query rows and at least NATIVE_MIN_SLOTS slots (measured crossover, above)."""
+    return k.dtype == jnp.float32 and q.shape[1] <= NATIVE_MAX_ROWS and k.shape[2] >= NATIVE_MIN_SLOTS
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,

@@ -153,9 +153,28 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
     out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
            jax.ShapeDtypeStruct((B, T, N), f32))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    return call(q.astype(f32), k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
-                window=np.int64(0 if window is None else window), scale=np.float32(scale),
-                block=np.int64(default_block(D) if block is None else block))
+    attrs = dict(window=np.int64(0 if window is None else window), scale=np.float32(scale),
+                 block=np.int64(default_block(D) if block is None else block))
+    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+
+    # The custom call has no derivative: gradients (training, e.g. DeepSeek-V4's train step) take the f32
+    # reference's, recomputed in the backward pass -- the same function up to f32 rounding.
+    @jax.custom_vjp
+    def stats(q, k, v):
+        return call(q, k, v, q_pos, k_pos, **attrs)
+
+    def fwd(q, k, v):
+        return stats(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        from pallas_kernels import reference as ref
+
+        _, vjp = jax.vjp(lambda q, k, v: ref.attend_reference(q, k, v, q_pos, k_pos, window=window, scale=scale,
+                                                              return_stats=True), *res)
+        return vjp(g)
+
+    stats.defvjp(fwd, bwd)
+    return stats(q.astype(f32), k, v)
 
 
 def default_block(D: int) -> int:

@@ -126,3 +126,16 @@ def test_without_a_compiler_xla_runs_and_says_so(tmp_path):
     rep = json.loads(out.stdout.strip().splitlines()[-1])
     assert rep["active"] == "xla" and not rep["status"]["ok"] and rep["raised"]
     assert "compiler" in rep["status"]["reason"] or "build failed" in rep["status"]["reason"]
+
+
+def test_gradients_are_the_references():
+    """The custom call has no derivative of its own: `jax.grad` through it takes the reference's (training)."""
+    q, k, v, q_pos, k_pos = _case(3, 2, S=300, lengths=(280, 100))
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(pk.attend(q, k, v, q_pos, k_pos, window=64, implementation=impl) ** 2)
+
+    got = jax.grad(loss("native"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
