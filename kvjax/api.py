@@ -49,8 +49,9 @@ def load(path: str | os.PathLike, *, dtype: str = "f32", attention: str | None =
         path: model directory, .gguf file, or model name.
         dtype: parameter and cache dtype, "f32" (CPU default: measured ~10x faster than bf16 there) or "bf16".
             GGUF weights are dequantised to f32 first, whatever their stored type.
-        attention: attention implementation: None (Pallas kernels on a GPU, XLA elsewhere), "xla", "pallas",
-            "pallas_interpret", "pallas_debug".
+        attention: attention implementation: None (Pallas kernels on a GPU; on a CPU the native kernel where it
+            builds, else XLA: `pallas_kernels.active_cpu_implementation()`), "xla", "pallas", "pallas_interpret",
+            "pallas_debug", "native".
 
     Raises:
         FileNotFoundError: neither config.json nor a .gguf file, nor a known model name.

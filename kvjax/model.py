@@ -19,7 +19,8 @@ class Model:
         tokenizer: a `kvjax.tokenizer.Tokenizer` when the directory has one.
         path: the directory it came from.
         dtype: parameter and cache dtype name ("f32" or "bf16").
-        attention: the resolved attention implementation ("xla", "pallas", "pallas_interpret", "pallas_debug").
+        attention: the resolved attention implementation ("xla", "pallas", "pallas_interpret", "pallas_debug",
+            "native").
     """
 
     config: Any

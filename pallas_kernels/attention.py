@@ -8,11 +8,15 @@
 
 All take queries `[B, T, N, D]` and caches `[B, K, S, D]`, optional per-head `sinks` (f32[N]), and `v=None` for
 caches whose keys are their values (DeepSeek-V4 shares K and V; the kernel then reads the cache once). The "xla"
-implementation is the f32 reference of `reference.py`; the Pallas ones run `flash.flash_partials`.
+implementation is the f32 reference of `reference.py`; the Pallas ones run `flash.flash_partials`; "native" runs the
+C++ kernel of `native/attention.cc` (kernels 1-4 as kernel 0 with the positions their rule implies).
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from pallas_kernels import native
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference as ref
 from pallas_kernels.backend import interpret_arg, resolve
@@ -39,6 +43,14 @@ def _run(q, k, v, q_pos, *, sinks, scale, implementation, return_stats=False, **
     return rows_to_queries(out, T, N).astype(q.dtype)
 
 
+def _native(q, k, v, q_pos, k_pos, *, window, scale, sinks, return_stats=False):
+    """Kernel 0 by the native CPU kernel: statistics, then `finalize` (with sinks) unless they are asked for."""
+    o, m, l = native.attend_stats(q, k, v, q_pos, k_pos, window=window, scale=scale)
+    if return_stats:
+        return o, m, l
+    return osm.finalize(o, m, l, sinks).astype(q.dtype)
+
+
 def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implementation=None, block_k=64,
            num_splits=None, return_stats=False):
     """Kernel 0: position-masked GQA attention over any cache form.
@@ -50,8 +62,9 @@ def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implem
         k_pos: i32[B, S] or i32[B, K, S] key positions, -1 for empty slots. Key visible iff 0 <= k_pos <= q_pos
             (and k_pos > q_pos - W when windowed). Blocks with no visible key are skipped without reading K/V.
         window: W or None; scale: default D ** -0.5; sinks: f32[N] or None.
-        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
-        block_k, num_splits: kernel tiling (static; num_splits None = `layout.auto_splits`).
+        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug", "native".
+        block_k, num_splits: Pallas tiling (static; num_splits None = `layout.auto_splits`; the native kernel
+            takes its own `native.default_block(D)` keys per block and never splits a row's keys).
         return_stats: return un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])` for
             `online_softmax.combine` with another part of the cache (sinks are then the caller's to add).
 
@@ -62,6 +75,8 @@ def attend(q, k, v, q_pos, k_pos, *, window=None, scale=None, sinks=None, implem
     if impl == "xla":
         return ref.attend_reference(q, k, v, q_pos, k_pos, window=window, scale=scale, sinks=sinks,
                                     return_stats=return_stats)
+    if impl == "native":
+        return _native(q, k, v, q_pos, k_pos, window=window, scale=scale, sinks=sinks, return_stats=return_stats)
     return _run(q, k, v, q_pos, sinks=sinks, scale=scale, implementation=impl, return_stats=return_stats,
                 pos_mode="array", k_pos=k_pos, window=window, block_k=block_k, num_splits=num_splits)
 
@@ -86,6 +101,11 @@ def decode_attention(q, k, v, lengths, *, window=None, scale=None, sinks=None, i
     if impl == "xla":
         return ref.decode_reference(q, k, v, lengths, window=window, scale=scale, sinks=sinks)
     q_pos = ref.dense_query_positions(lengths, q.shape[1])
+    if impl == "native":  # slot == position below `lengths`, empty above
+        S = k.shape[2]
+        s = jnp.arange(S, dtype=jnp.int32)[None, :]
+        k_pos = jnp.where(s < lengths[:, None], s, -1)
+        return _native(q, k, v, q_pos, k_pos, window=window, scale=scale, sinks=sinks)
     return _run(q, k, v, q_pos, sinks=sinks, scale=scale, implementation=impl, pos_mode="affine", ratio=1,
                 window=window, block_k=block_k, num_splits=num_splits)
 
@@ -121,6 +141,9 @@ def window_attention(q, k, v, q_pos, seen, *, window, scale=None, sinks=None, im
     impl = resolve(implementation)
     if impl == "xla":
         return ref.window_reference(q, k, v, q_pos, seen, window=window, scale=scale, sinks=sinks)
+    if impl == "native":
+        return _native(q, k, v, q_pos, ref.ring_positions(seen, k.shape[2]), window=window, scale=scale,
+                       sinks=sinks)
     return _run(q, k, v, q_pos, sinks=sinks, scale=scale, implementation=impl, pos_mode="ring", seen=seen,
                 window=window, block_k=block_k, num_splits=num_splits)
 
@@ -141,5 +164,9 @@ def compressed_attention(q, k, v, q_pos, *, ratio, scale=None, sinks=None, imple
     impl = resolve(implementation)
     if impl == "xla":
         return ref.compressed_reference(q, k, v, q_pos, ratio=ratio, scale=scale, sinks=sinks)
+    if impl == "native":  # entry w visible iff w < (t + 1) // m  <=>  its last token w * m + m - 1 <= t
+        E = k.shape[2]
+        k_pos = jnp.broadcast_to(jnp.arange(E, dtype=jnp.int32)[None, :] * ratio + ratio - 1, (q.shape[0], E))
+        return _native(q, k, v, q_pos, k_pos, window=None, scale=scale, sinks=sinks)
     return _run(q, k, v, q_pos, sinks=sinks, scale=scale, implementation=impl, pos_mode="affine", ratio=ratio,
                 block_k=block_k, num_splits=num_splits)

@@ -11,7 +11,9 @@ Implementations:
 - "pallas": the Pallas kernel, compiled for the GPU (the GPU default);
 - "pallas_interpret": the Pallas kernel in interpret mode (any backend; tests on CPU);
 - "pallas_debug": interpret mode with `pltpu.InterpretParams(out_of_bounds_reads="raise")`, which raises on any
-  out-of-bounds ref read that plain interpret mode would silently clamp.
+  out-of-bounds ref read that plain interpret mode would silently clamp;
+- "native": kernel 0 as native CPU code through jax.ffi (`pallas_kernels/native`), built on first use; the CPU
+  default where it builds (else "xla"; `active_cpu_implementation()` says which and why).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import jax
 from jax.experimental.pallas import triton as pl_triton
 from jax.experimental.pallas import tpu as pltpu
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret", "pallas_debug")
+from pallas_kernels import native
+
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret", "pallas_debug", "native")
 NUM_WARPS = 4
 NUM_STAGES = 2
 
@@ -34,12 +38,23 @@ def compiler_params(interpret):
 
 
 def resolve(implementation: str | None) -> str:
-    """None -> "pallas" when the default JAX backend is a GPU, else "xla"; names are checked."""
+    """None -> "pallas" when the default JAX backend is a GPU, else `active_cpu_implementation()` ("native" where
+    the native kernel builds, else "xla"); names are checked ("native" when it cannot build raises, naming why)."""
     if implementation is None:
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+        if jax.default_backend() in ("gpu", "cuda", "rocm"):
+            return "pallas"
+        return active_cpu_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation == "native" and not native.available():
+        raise RuntimeError(f"implementation 'native' is not available here: {native.status()['reason']}")
     return implementation
+
+
+def active_cpu_implementation() -> str:
+    """The implementation CPU attention runs: "native" when the native kernel built and loaded, else "xla" (see
+    `pallas_kernels.native.status()` for the reason)."""
+    return "native" if native.available() else "xla"
 
 
 def interpret_arg(implementation: str):

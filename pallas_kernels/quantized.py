@@ -91,7 +91,7 @@ def quantized_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k
     impl = resolve(implementation)
     if bits not in (2, 4):
         raise ValueError(f"bits must be 2 or 4, got {bits}")
-    if impl == "xla":
+    if impl in ("xla", "native"):  # the native kernel reads f32 keys: dequantise, then attend as XLA does
         k, v = dequantize(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits, group=group)
         return ref.attend_reference(q, k, v, q_pos, k_pos, window=window, scale=scale, sinks=sinks,
                                     return_stats=return_stats)

@@ -75,7 +75,7 @@ def sparse_attention(q, k, v, indices, *, scale=None, sinks=None, implementation
         [B, T, N, D] in q's dtype; a query with no valid pick (and no sink) gets zeros.
     """
     impl = resolve(implementation)
-    if impl == "xla":
+    if impl in ("xla", "native"):  # per-query gathers: no native form (the gather dominates)
         return ref.sparse_reference(q, k, v, indices, scale=scale, sinks=sinks, return_stats=return_stats)
     B, T, N, D = q.shape
     K, E = k.shape[1], k.shape[2]

@@ -37,6 +37,7 @@ from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
+from bench_attention_peers import compare as attention_peers  # noqa: E402
 from bench_common import STATIC_DRAFTERS, bench_prompts, best_of, load_bench_model, parse_contexts  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
@@ -369,6 +370,13 @@ def main(argv=None):
                                  prefill_speedup=lc["llama.cpp prefill (flash attention)"]["ms"] / 1e3 / prefill_s))
                 print(f"  kvjax vs llama.cpp: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
                       f"{rows[-1]['prefill_speedup']:.2f}x (flash attention on)", flush=True)
+    if not args.no_peers:  # one attention layer: native kernel vs XLA vs PyTorch's fused attention, interleaved
+        cfg = model.config
+        print("attention per layer (native / XLA / PyTorch SDPA, 2 threads):", flush=True)
+        for rec in attention_peers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   slots=[pick_capacity(L + 300, CAPACITY_BUCKETS) for L in contexts],
+                                   log=lambda s: print(s, flush=True)):
+            rows.append(dict(context=rec["slots"], step=f"attention layer {rec['rows']} rows", **rec))
     best_gbs = add_best_bandwidth_floor(rows)
     if best_gbs:
         print(f"[bench] best reduction bandwidth in this run: {best_gbs:.1f} GB/s; ratios against it:")

@@ -32,11 +32,23 @@ from kvjax.cli.output import check_output_path
 from kvjax.errors import KvjaxError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvjax import __version__
+class _Version(argparse.Action):
+    """`--version`: the version and which CPU attention runs ("native", or "xla" with the reason the native kernel
+    is not there). Resolved only when asked: the first call may build the native kernel."""
 
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kvjax import __version__
+        from pallas_kernels import native
+
+        st = native.status()
+        cpu = "native" if st["ok"] else f"xla (native kernel unavailable: {st['reason'][:300]})"
+        sys.stdout.write(f"kvjax {__version__}\nCPU attention: {cpu}\n")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description="Exact long-context decoding in JAX.")
-    p.add_argument("--version", action="version", version=f"kvjax {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version and the CPU attention in use")
     sub = p.add_subparsers(dest="command", required=True)
     for module in (generate, bench, cache, plot, models):
         module.register(sub)

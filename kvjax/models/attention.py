@@ -7,8 +7,10 @@ masked row (padding) yields zeros, never NaN. The mask rule and the mask value a
 definition every kernel must match); `attention(..., implementation=)` picks the implementation: "xla" is
 `default_attention` (exactly `attend` for caches under 4096 slots, its blocked online-softmax form, which reads only
 occupied blocks, for larger ones); "pallas", "pallas_interpret" and "pallas_debug" run kernel 0 of `pallas_kernels`;
-None picks "pallas" on a GPU backend and "xla" elsewhere. Models call `attention` (or a bound `make_attention_fn`)
-and never pick a kernel.
+"native" runs the native CPU kernel (`pallas_kernels/native`) for the shapes where it measured faster than XLA
+(`native_wins`) and the XLA path for the others; None picks "pallas" on a GPU backend and
+`pallas_kernels.active_cpu_implementation()` ("native" where it builds, else "xla") elsewhere. Models call
+`attention` (or a bound `make_attention_fn`) and never pick a kernel.
 """
 
 from __future__ import annotations
@@ -154,6 +156,27 @@ def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
     return attend(q, k, v, q_pos, k_pos, window=window, scale=scale)
 
 
+# The native kernel against XLA per layer on the bundled model's shape (8 heads, 4 KV heads, D = 32, f32), native / XLA
+# ms, one interleaved run on the shared 2-core EPYC (Zen 3) under load, best of 3
+# (`scripts/bench_attention_peers.py --rows 1,5,9,17,33,256 --slots 9216,36864 --reps 3`):
+#   9,216 slots:  1 row 7.99/2.98, 5 rows 8.20/14.29, 9 rows 15.5/16.4, 17 rows 22.9/16.2, 33 rows 32.0/22.8,
+#                 256 rows 292/217;
+#   36,864 slots: 1 row 12.3/19.1, 5 rows 27.4/39.4, 9 rows 49.6/68.7, 17 rows 89.2/92.0, 33 rows 184/52,
+#                 256 rows 1146/722.
+# The native kernel scores each query row on its own against the key block (the row-independent order), so with
+# many rows it re-reads the block per row and loses to XLA's batched dots; it wins for few rows over long caches.
+# Hence: native for up to NATIVE_MAX_ROWS rows over at least NATIVE_MIN_SLOTS slots, XLA otherwise.
+NATIVE_MAX_ROWS = 9
+NATIVE_MIN_SLOTS = 16384
+
+
+def native_wins(q: jax.Array, k: jax.Array) -> bool:
+    """Whether the native kernel runs this attention (static shapes only, so a verify block and its reference decoder
+    take the same one): f32 keys (it reads f32; a bf16 cache stays on XLA rather than paying a copy), at most
+    NATIVE_MAX_ROWS query rows and at least NATIVE_MIN_SLOTS slots (measured crossover, above)."""
+    return k.dtype == jnp.float32 and q.shape[1] <= NATIVE_MAX_ROWS and k.shape[2] >= NATIVE_MIN_SLOTS
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
               window: int | None = None, scale: float | None = None, implementation: str | None = None) -> jax.Array:
     """Position-masked GQA attention with a choice of implementation.
@@ -161,13 +184,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     Args:
         q: [B, T, N, D] queries; k, v: [B, K, S, D]; q_pos: i32[B, T]; k_pos: i32[B, S] or i32[B, K, S] (-1 empty).
         window: sliding window W or None; scale: default D ** -0.5.
-        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug".
+        implementation: None (auto), "xla", "pallas", "pallas_interpret", "pallas_debug", "native".
 
     Returns:
         [B, T, N, D] in q's dtype.
     """
     impl = pallas_kernels.resolve(implementation)
-    if impl == "xla":
+    if impl == "xla" or (impl == "native" and not native_wins(q, k)):
         return default_attention(q, k, v, q_pos, k_pos, window=window, scale=scale)
     return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl)
 
@@ -237,7 +260,7 @@ def quantized_part_stats(q, part: QuantizedKV, q_pos, *, window=None, scale=None
     """
     impl = pallas_kernels.resolve(implementation)
     D = q.shape[-1]
-    if impl == "xla" or (impl == "pallas" and D * part.bits // 8 < 16):
+    if impl in ("xla", "native") or (impl == "pallas" and D * part.bits // 8 < 16):
         k, v, pos = part.dense()
         return part_stats(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl)
     return pallas_kernels.quantized_attention(q, part.k_codes, part.k_scale, part.k_zero, part.v_codes, part.v_scale,
@@ -315,7 +338,7 @@ def sparse_stats(q, k, v, indices, *, scale=None):
 def part_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, implementation=None):
     """Un-normalised `(o, m, l)` of one position-masked part through the dispatcher (v None: keys are the values)."""
     impl = pallas_kernels.resolve(implementation)
-    if impl == "xla":
+    if impl == "xla" or (impl == "native" and not native_wins(q, k)):
         return attend_stats(q, k, k if v is None else v, q_pos, k_pos, window=window, scale=scale)
     return pallas_kernels.attend(q, k, v, q_pos, k_pos, window=window, scale=scale, implementation=impl,
                                  return_stats=True)
@@ -324,7 +347,7 @@ def part_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, implementation
 def sparse_part_stats(q, k, v, indices, *, scale=None, implementation=None):
     """Un-normalised `(o, m, l)` of a per-query sparse part (kernel 5 on Pallas, `sparse_stats` on XLA)."""
     impl = pallas_kernels.resolve(implementation)
-    if impl == "xla":
+    if impl in ("xla", "native"):  # per-query gathers: no native form
         return sparse_stats(q, k, v, indices, scale=scale)
     return pallas_kernels.sparse_attention(q, k, v, indices, scale=scale, implementation=impl, return_stats=True)
 

@@ -214,6 +214,14 @@ class TestPallasInterpret(KernelCases):
     IMPLEMENTATION = "pallas_interpret"
 
 
+class TestNative(KernelCases):
+    """The native CPU kernel (C++ through jax.ffi, built on first use; a failed build fails here, naming why).
+    Sparse and quantized kernels have no native form: "native" runs their XLA path, still checked against the
+    reference."""
+
+    IMPLEMENTATION = "native"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU visible to JAX")
 class TestPallasGpu(KernelCases):

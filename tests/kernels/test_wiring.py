@@ -23,6 +23,7 @@ ON_GPU = jax.default_backend() == "gpu"
 @pytest.mark.parametrize("family,implementation", [
     ("llama", "pallas_interpret"),  # full layers (GQA 4/2)
     ("mistral", "pallas_interpret"),  # sliding layers: ring + new chunk, S not a power of two
+    ("llama", "native"), ("mistral", "native"),  # the native CPU kernel in the model
     pytest.param("llama", "pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU")]),
 ])
 def test_forward_pallas_matches_xla(hf_model_dir, family, implementation):
@@ -46,8 +47,13 @@ def test_forward_pallas_matches_xla(hf_model_dir, family, implementation):
 
 def test_make_attention_fn_resolves():
     assert make_attention_fn("xla") is default_attention
-    if not ON_GPU:  # auto picks XLA off the GPU
-        assert make_attention_fn(None) is default_attention
+    if not ON_GPU:  # auto picks the native kernel off the GPU where it builds, else XLA
+        import pallas_kernels
+
+        if pallas_kernels.active_cpu_implementation() == "xla":
+            assert make_attention_fn(None) is default_attention
+        else:
+            assert make_attention_fn(None).keywords == dict(implementation="native")
     with pytest.raises(ValueError, match="implementation must be one of"):
         make_attention_fn("triton")
 

@@ -1,0 +1,183 @@
+"""Kernel 0 as native CPU code (`attention.cc`, an XLA FFI custom call), built on first use and loaded through jax.ffi.
+
+Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
+the source's hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
+installed editable (a setuptools build step would not re-run when the source changes, and would need jaxlib's headers
+at build-isolation time); a key that includes the CPU keeps a `-march=native` library built on one machine from ever
+running on another that shares the home directory. The compiler is `$CXX`, else `c++`/`g++`; the flags
+`-O3 -march=native` where the compiler accepts them, plain `-O3` (the portable scalar path) where it does not.
+
+Where no library can be built (no compiler, no headers, a failed build), `available()` is False, `status()` says why,
+and the dispatcher (`pallas_kernels.backend.resolve`) keeps the XLA path: never a silent wrong answer, and
+`kvjax --version` / `pallas_kernels.active_cpu_implementation()` name the implementation in use.
+
+Environment: `KVJAX_NATIVE=0` disables the native kernel; `KVJAX_NATIVE_CACHE` moves the build directory;
+`KVJAX_NATIVE_THREADS` sets the kernel's thread count (default: the CPU count, at most 16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("attention.cc")
+TARGET = "kvjax_attend"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KVJAX_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvjax" / "native"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags (Linux) or the machine name: part of the build key because of -march=native."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> str | None:
+    """Compile to `out` atomically; returns None on success, else the compiler's message."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE),
+           "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)}: {e}"
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)}: {proc.stderr.strip()[-2000:]}"
+    os.replace(tmp, out)  # atomic: concurrent first uses never load a half-written library
+    return None
+
+
+# -ffp-contract=off: only the kernel's explicit FMA intrinsics fuse, so the arithmetic order is the source's.
+FLAG_SETS = (["-O3", "-march=native", "-ffp-contract=off"], ["-O3", "-ffp-contract=off"])
+
+
+def _build() -> dict:
+    if os.environ.get("KVJAX_NATIVE", "1") == "0":
+        return dict(ok=False, reason="disabled by KVJAX_NATIVE=0")
+    cxx = _compiler()
+    if cxx is None:
+        return dict(ok=False, reason="no C++ compiler found ($CXX, c++, g++, clang++)")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return dict(ok=False, reason=f"{cxx} --version failed: {e}")
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), jax.__version__, jax.lib.__version__, cxx, version,
+                                        " ".join(flags), _cpu_fingerprint()]).encode()).hexdigest()[:20]
+        lib = _cache_dir() / f"kvjax_attention_{key}.so"
+        if not lib.exists():
+            err = _compile(cxx, flags, lib)
+            if err is not None:
+                errors.append(err)
+                continue
+        try:
+            handle = ctypes.cdll.LoadLibrary(str(lib))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+        except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
+            errors.append(f"loading {lib}: {e}")
+            continue
+        return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width())
+    return dict(ok=False, reason="build failed: " + " | ".join(errors))
+
+
+def status() -> dict:
+    """Build/load status: `ok`, and either `library`, `flags`, `vector_width` (8 = AVX2+FMA path) or `reason`."""
+    with _lock:
+        if not _state:
+            _state.update(_build())
+        return dict(_state)
+
+
+def available() -> bool:
+    """Whether the native kernel is built and registered (builds it on the first call)."""
+    return status()["ok"]
+
+
+def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int | None = None):
+    """Kernel 0's un-normalised statistics by the native kernel.
+
+    Args:
+        q: [B, T, N, D]; k, v: [B, K, S, D] (v None: keys are the values); q_pos: i32[B, T];
+        k_pos: i32[B, S] or i32[B, K, S] (-1 empty); window: W or None; scale: default D ** -0.5;
+        block: keys per block (static; default `default_block(D)`).
+
+    Returns:
+        `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])`, as `pallas_kernels.attend(..., return_stats=True)`.
+    """
+    if not available():
+        raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    scale = D**-0.5 if scale is None else scale
+    f32 = jnp.float32
+    k = k.astype(f32)
+    v = k if v is None else v.astype(f32)
+    out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
+           jax.ShapeDtypeStruct((B, T, N), f32))
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    attrs = dict(window=np.int64(0 if window is None else window), scale=np.float32(scale),
+                 block=np.int64(default_block(D) if block is None else block))
+    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+
+    # The custom call has no derivative: gradients (training, e.g. DeepSeek-V4's train step) take the f32
+    # reference's, recomputed in the backward pass -- the same function up to f32 rounding.
+    @jax.custom_vjp
+    def stats(q, k, v):
+        return call(q, k, v, q_pos, k_pos, **attrs)
+
+    def fwd(q, k, v):
+        return stats(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        from pallas_kernels import reference as ref
+
+        _, vjp = jax.vjp(lambda q, k, v: ref.attend_reference(q, k, v, q_pos, k_pos, window=window, scale=scale,
+                                                              return_stats=True), *res)
+        return vjp(g)
+
+    stats.defvjp(fwd, bwd)
+    return stats(q.astype(f32), k, v)
+
+
+def default_block(D: int) -> int:
+    """Keys per block: one block's keys (BLOCK x D f32) fill about half of a 64 KiB L1/L2 working set; 256 at D <= 32.
+    Depends only on D, so every call of one model takes the same blocks (a row's arithmetic order is fixed)."""
+    return int(max(64, min(256, (8192 // max(D, 1)) // 8 * 8)))

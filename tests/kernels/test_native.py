@@ -1,0 +1,141 @@
+"""The native CPU kernel (`pallas_kernels/native`): matches the f32 reference on multi-block caches for every row
+count the engine uses, each row's result is bit-identical whatever other rows the call holds, the dispatcher picks
+it on CPU, and a machine where it cannot build falls back to XLA and says so.
+
+The shared kernel cases (ragged lengths, window edge, fully masked rows, sinks, shared K=V, rings, compressed
+entries) run against it in `test_attention.py::TestNative`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import native
+from pallas_kernels import online_softmax as osm
+from pallas_kernels import reference as ref
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0):
+    """Keys over several native blocks (S = 700: blocks of 256, the last one partial); ragged lengths."""
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
+    L = np.asarray(lengths)
+    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
+    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
+    if per_head:  # per-head positions with holes (a sparse draft cache); head 0 of sequence 0 keeps only 40 keys
+        k_pos = np.repeat(k_pos[:, None], K, axis=1)
+        k_pos[rng.random(k_pos.shape) < 0.3] = -1
+        k_pos[0, 0, 40:] = -1
+    return q, k, v, q_pos, jnp.asarray(k_pos)
+
+
+def _native(q, k, v, q_pos, k_pos, window=None):
+    return jax.jit(lambda *a: pk.attend(*a, window=window, implementation="native"))(q, k, v, q_pos, k_pos)
+
+
+@pytest.mark.parametrize("T", [1, 5, 9, 33, 256])
+@pytest.mark.parametrize("G", [1, 8])
+def test_matches_reference_for_every_row_count(T, G):
+    q, k, v, q_pos, k_pos = _case(T, G, lengths=(650, 300) if T < 256 else (690, 400))
+    got = _native(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])
+def test_windows_and_per_head_positions(window):
+    q, k, v, q_pos, k_pos = _case(9, 2, per_head=True, seed=3)
+    got = _native(q, k, v, q_pos, k_pos, window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos,
+                                                                                window=window)), **TOL)
+
+
+def test_empty_slots_and_fully_masked_rows_are_zero():
+    q, k, v, _, k_pos = _case(3, 2)
+    q_pos = jnp.asarray([[-1, 0, 700], [5, 6, 7]], jnp.int32)  # a padding query; slot 0 visible; beyond the cache
+    k_pos = k_pos.at[1].set(-1)  # sequence 1: an empty cache
+    got = np.asarray(_native(q, k, v, q_pos, k_pos))
+    np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    assert not got[0, 0].any() and not got[1].any() and np.isfinite(got).all()
+    o, m, l = jax.jit(lambda *a: native.attend_stats(*a))(q, k, v, q_pos, k_pos)
+    assert not np.asarray(l[1]).any() and (np.asarray(m[1]) == osm.M_INIT).all()
+
+
+def test_stats_combine_across_parts_with_sinks():
+    """Two parts' statistics, one `combine`, `finalize` with sinks == attention over the concatenated cache."""
+    q, k, v, q_pos, k_pos = _case(5, 4, seed=5)
+    sinks = jnp.linspace(-1.0, 1.0, q.shape[2], dtype=jnp.float32)
+    a = pk.attend(q, k[:, :, :400], v[:, :, :400], q_pos, k_pos[:, :400], implementation="native", return_stats=True)
+    b = pk.attend(q, k[:, :, 400:], v[:, :, 400:], q_pos, k_pos[:, 400:], implementation="native", return_stats=True)
+    got = osm.finalize(*osm.combine(*(jnp.stack(x) for x in zip(a, b))), sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, sinks=sinks)),
+                               **TOL)
+
+
+@pytest.mark.parametrize("G,window,per_head", [(1, None, False), (8, 200, True)])
+def test_a_row_is_bit_identical_alone_or_with_other_rows(G, window, per_head):
+    """The exactness contract's property: row t of a 33-row call equals the same row computed alone and in a 5-row
+    call, bit for bit (the reduction order of a row does not depend on the other rows)."""
+    q, k, v, q_pos, k_pos = _case(33, G, per_head=per_head, seed=9)
+    full = np.asarray(_native(q, k, v, q_pos, k_pos, window))
+    for t in (0, 4, 17, 32):
+        alone = np.asarray(_native(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], k_pos, window))
+        assert np.array_equal(alone[:, 0], full[:, t]), t
+    five = np.asarray(_native(q[:, 28:], k, v, q_pos[:, 28:], k_pos, window))
+    assert np.array_equal(five, full[:, 28:])
+
+
+def test_dispatcher_picks_native_on_cpu():
+    assert native.available(), native.status()
+    assert pk.active_cpu_implementation() == "native"
+    assert pk.resolve(None) == ("pallas" if jax.default_backend() == "gpu" else "native")
+    q, k, v, q_pos, k_pos = _case(1, 2)
+    jaxpr = str(jax.make_jaxpr(lambda q: pk.attend(q, k, v, q_pos, k_pos, implementation="native"))(q))
+    assert native.TARGET in jaxpr
+
+
+def test_without_a_compiler_xla_runs_and_says_so(tmp_path):
+    """A machine that cannot build the library (here: a compiler that always fails, an empty build cache) resolves
+    to "xla" and the status names the failed build; asking for "native" explicitly raises."""
+    code = (
+        "import json, pallas_kernels as pk\n"
+        "from pallas_kernels import native\n"
+        "try:\n"
+        "    pk.resolve('native'); raised = False\n"
+        "except RuntimeError as e:\n"
+        "    raised = 'not available' in str(e)\n"
+        "print(json.dumps(dict(active=pk.active_cpu_implementation(), status=native.status(), raised=raised)))\n")
+    env = dict(os.environ, CXX="false", PATH=str(tmp_path), KVJAX_NATIVE_CACHE=str(tmp_path / "cache"),
+               JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rep["active"] == "xla" and not rep["status"]["ok"] and rep["raised"]
+    assert "compiler" in rep["status"]["reason"] or "build failed" in rep["status"]["reason"]
+
+
+def test_gradients_are_the_references():
+    """The custom call has no derivative of its own: `jax.grad` through it takes the reference's (training)."""
+    q, k, v, q_pos, k_pos = _case(3, 2, S=300, lengths=(280, 100))
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(pk.attend(q, k, v, q_pos, k_pos, window=64, implementation=impl) ** 2)
+
+    got = jax.grad(loss("native"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
