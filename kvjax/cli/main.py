@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from kvjax.cli import bench, cache, generate, plot
+from kvjax.cli import bench, cache, generate, plot, serve
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
 from kvjax.cli.output import check_output_path
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description="Exact long-context decoding in JAX.")
     p.add_argument("--version", action="version", version=f"kvjax {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (generate, bench, cache, plot):
+    for module in (generate, bench, cache, plot, serve):
         module.register(sub)
     return p
 
