@@ -81,3 +81,9 @@ def offline(tiny):
         return memo[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def servers(start_server):
+    """One server per mode (prefix cache on), shared by the test modules: mode -> (url, engine, metrics)."""
+    return {mode: start_server(mode) for mode in ("vericache", "full")}

@@ -15,11 +15,6 @@ openai = pytest.importorskip("openai")
 PROMPT = "def add(a, b):\n    return"
 
 
-@pytest.fixture(scope="module")
-def servers(start_server):
-    return {mode: start_server(mode) for mode in ("vericache", "full")}
-
-
 def _client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -36,7 +31,7 @@ def _streamed(stream):
     return ids, text, reasons, usage
 
 
-@pytest.mark.parametrize("mode", ["vericache", "full"])
+@pytest.mark.parametrize("mode", ["vericache", pytest.param("full", marks=pytest.mark.slow)])
 def test_outputs_equal_offline(tiny, servers, offline, mode):
     url = servers[mode][0]
     c = _client(url)
