@@ -30,6 +30,7 @@ LAYERS = [
     ("kvjax.api",),
     ("kvjax.training",),  # trains and evaluates the bundled models through the public API
     ("kvjax",),  # the package's public face re-exports everything
+    ("kvjax.server",),  # the HTTP layer over the schedulers and the public API
     ("kvjax.cli",),
 ]
 

@@ -23,10 +23,13 @@ def _emit_json(report: dict, args) -> None:
 def cmd_cache(args) -> dict:
     from kvjax.prefix import inspect as store_inspect
 
-    report = store_inspect.inspect(args.store, namespace=args.namespace, verify=args.verify or args.evict_corrupt)
+    report = store_inspect.inspect(args.store, namespace=args.namespace,
+                                   verify=args.verify or args.evict_corrupt or args.evict_stale)
     evicted = {}
     if args.evict:
         evicted["evicted_namespaces"] = store_inspect.evict_namespace(args.store, args.evict)
+    if args.evict_stale:
+        evicted["evicted_stale"] = store_inspect.evict_entries(args.store, report["stale"])
     if args.evict_corrupt:
         evicted["evicted_corrupt"] = store_inspect.evict_entries(args.store, report["corrupt"])
     if evicted:  # the report describes the store as it is now, after the eviction
@@ -49,5 +52,7 @@ def register(sub) -> None:
     c.add_argument("--verify", action="store_true", help="read every entry and check header, tokens and checksum")
     c.add_argument("--evict", metavar="HEX", help="delete the store's keys of the namespaces starting with HEX")
     c.add_argument("--evict-corrupt", action="store_true", help="verify, then delete entries that fail")
+    c.add_argument("--evict-stale", action="store_true",
+                   help="verify, then delete only the entries another store format version wrote")
     add_json(c)
     c.set_defaults(fn=cmd_cache)

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 
-from kvjax.cli import bench, cache, generate, models, plot
+from kvjax.cli import bench, cache, generate, models, plot, serve
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
 from kvjax.cli.interrupt import exit_on_interrupt
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description="Exact long-context decoding in JAX.")
     p.add_argument("--version", action=_Version, nargs=0, help="print the version and the CPU attention in use")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (generate, bench, cache, plot, models):
+    for module in (generate, bench, cache, plot, models, serve):
         module.register(sub)
     return p
 

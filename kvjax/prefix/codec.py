@@ -85,6 +85,22 @@ def decode(buf, *, what: str = "value", fields: Mapping[str, type | tuple] | Non
     return header, payload
 
 
+def peek_header(buf) -> dict | None:
+    """The header object of a stored value without verifying anything else (None if it has no readable header): how
+    a value written by another format version is recognised before its fields are held to this version's rules."""
+    buf = memoryview(buf)
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
+    if len(buf) < LENGTH_BYTES:
+        return None
+    hl = int.from_bytes(buf[:LENGTH_BYTES], "little")
+    try:
+        header = json.loads(bytes(buf[LENGTH_BYTES:LENGTH_BYTES + hl])) if hl <= len(buf) - LENGTH_BYTES else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
 def expect(header: Mapping[str, Any], want: Mapping[str, Any], what: str = "value") -> None:
     """Raise CorruptEntry naming the first field of `want` whose value in `header` differs."""
     for k, v in want.items():

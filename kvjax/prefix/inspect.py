@@ -28,7 +28,7 @@ import numpy as np
 from kvjax.errors import CorruptEntry
 from kvjax.prefix import codec
 from kvjax.prefix.identity import Namespace
-from kvjax.prefix.tiers import ENTRY_FIELDS, MAGIC, STORE_FORMAT_VERSION, StoreTier, parse_key
+from kvjax.prefix.tiers import ENTRY_FIELDS, MAGIC, STORE_FORMAT_VERSION, StoreTier, parse_key, stale_version
 
 
 def open_store(url: str) -> StoreTier:
@@ -124,7 +124,7 @@ def inspect(url: str, *, namespace: str | None = None, verify: bool = False) -> 
             foreign.append(k)
         elif parsed[0] != "marker" and (namespace is None or parsed[1].startswith(namespace)):
             by_ns[parsed[1]].append((k, parsed))
-    out, corrupt = [], []
+    out, corrupt, stale = [], [], []
     for ns_hex, keys in sorted(by_ns.items()):
         ident, got_hex, problem = _identity(store.read_json(f"{ns_hex}/namespace.json"))
         if got_hex != ns_hex:
@@ -148,14 +148,21 @@ def inspect(url: str, *, namespace: str | None = None, verify: bool = False) -> 
             forms[form]["entries"] += 1
             forms[form]["bytes"] += len(buf)
             if verify:
+                v = stale_version(buf)
+                if v is not None:  # another store format's entry: not corrupt, not readable here
+                    stale.append(dict(key=k, format_version=v))
+                    continue
                 _, why = check_entry(k, buf, records.get(kh))
                 if why:
                     corrupt.append(dict(key=k, why=why))
         out.append(dict(namespace=ns_hex, identity=ident, blocks=sum(kind == "block" for _, (kind, *_) in keys),
                         forms=dict(forms), entries=sum(f["entries"] for f in forms.values()),
                         bytes=sum(f["bytes"] for f in forms.values())))
-    return dict(store=store.url, namespaces=out, verified=verify, corrupt=corrupt, foreign=sorted(foreign),
-                entries=sum(n["entries"] for n in out), bytes=sum(n["bytes"] for n in out))
+    entries = sum(n["entries"] for n in out)
+    return dict(store=store.url, format_version=STORE_FORMAT_VERSION, marker_format_version=store.marker_version,
+                namespaces=out, verified=verify, corrupt=corrupt, stale=stale, foreign=sorted(foreign),
+                entries=entries, current=entries - len(stale) - len(corrupt) if verify else None,
+                bytes=sum(n["bytes"] for n in out))
 
 
 def _delete(store: StoreTier, keys) -> int:
@@ -186,7 +193,8 @@ def evict_namespace(url: str, prefix: str) -> list[str]:
 
 
 def evict_entries(url: str, entries: list[dict]) -> int:
-    """Delete the listed keys (items of `inspect(...)["corrupt"]`) that are the store's own. Returns how many."""
+    """Delete the listed keys (items of `inspect(...)["corrupt"]` or `["stale"]`) that are the store's own. Returns
+    how many."""
     store = open_store(url)
     return _delete(store, [e["key"] for e in entries if (p := parse_key(e["key"])) is not None and p[0] != "marker"])
 
@@ -194,7 +202,9 @@ def evict_entries(url: str, entries: list[dict]) -> int:
 def format_report(r: dict) -> str:
     """Human-readable table of an `inspect` result."""
     lines = [f"store {r['store']}: {len(r['namespaces'])} namespaces, {r['entries']} entries, "
-             f"{r['bytes'] / 2**20:.2f} MiB" + (f", verified: {len(r['corrupt'])} corrupt" if r["verified"] else "")
+             f"{r['bytes'] / 2**20:.2f} MiB"
+             + (f", verified: {r['current']} of format {r['format_version']}, {len(r['stale'])} stale (another store "
+                f"format), {len(r['corrupt'])} corrupt" if r["verified"] else "")
              + (f", {len(r['foreign'])} foreign files left alone" if r.get("foreign") else "")]
     for n in r["namespaces"]:
         i = n["identity"]
@@ -205,7 +215,10 @@ def format_report(r: dict) -> str:
             lines.append(f"      {form:24s} {f['entries']:7d} entries {f['bytes'] / 2**20:10.2f} MiB")
     for c in r["corrupt"]:
         lines.append(f"  CORRUPT {c['key']}: {c['why']}")
-    for k in ("evicted_namespaces", "evicted_corrupt"):
+    for v in sorted({str(e["format_version"]) for e in r.get("stale", [])}):
+        n = sum(str(e["format_version"]) == v for e in r["stale"])
+        lines.append(f"  STALE {n} entries of store format {v} (compatibility misses here; --evict-stale deletes them)")
+    for k in ("evicted_namespaces", "evicted_corrupt", "evicted_stale"):
         if k in r:
             lines.append(f"  {k.replace('_', ' ')}: {r[k]}")
     return "\n".join(lines)

@@ -34,8 +34,8 @@ from kvjax.prefix.plan import Lease, Plan
 from kvjax.prefix.planner import build_plan, cold_plan
 from kvjax.prefix.radix import Block, RadixTree
 from kvjax.prefix.store_index import load_store_index
-from kvjax.prefix.tiers import (DEVICE, HOST, STORE, TIERS, DevicePool, StoreTier, admission_caps, check_bytes,
-                                device_sharding, take_one, to_host)
+from kvjax.prefix.tiers import (DEVICE, HOST, STORE, TIERS, DevicePool, StaleEntry, StoreTier, admission_caps,
+                                check_bytes, device_sharding, take_one, to_host)
 
 MAX_REPLANS = 4  # re-plans one request may make; after that it reads nothing and recomputes its whole prompt
 
@@ -253,13 +253,15 @@ class PrefixCache:
                               why="tier timeout") from None
             try:
                 out[(name, j)] = self.store.decode_entry(raw, plan.namespace, self.specs[name], blk)
+            except StaleEntry as e:  # another store format's entry: a compatibility miss, left in the store
+                bad.append((self.specs[name], blk, e.cause))
             except CorruptEntry:
-                bad.append((self.specs[name], blk))
+                bad.append((self.specs[name], blk, "corrupt"))
         if bad:
             with self.lock:
-                for spec, blk in bad:
-                    self._drop(self._entry(blk, spec), STORE, why="corrupt")
-            raise _Replan("corrupt")
+                for spec, blk, why in bad:
+                    self._drop(self._entry(blk, spec), STORE, why=why, delete=why == "corrupt")
+            raise _Replan(bad[0][2])
         return out
 
     def _check_memory_tiers(self, plan: Plan) -> None:
@@ -565,8 +567,9 @@ class PrefixCache:
             self._drain()
             return self._evict(form, tier, k)
 
-    def _drop(self, e: Entry, tier: str, why: str) -> None:
-        """Remove `e`'s bytes from `tier` (availability only) and bump its generation."""
+    def _drop(self, e: Entry, tier: str, why: str, delete: bool = True) -> None:
+        """Remove `e`'s bytes from `tier` (availability only) and bump its generation; a store entry is deleted from
+        the store unless `delete` is False (another format version's entry stays for its own processes)."""
         self.members[e.form][tier].pop(e, None)
         if tier == DEVICE and e.slot is not None:
             self.pools[e.form].release(e.slot)
@@ -576,7 +579,7 @@ class PrefixCache:
         elif tier == STORE and e.in_store:
             e.in_store = False
             ns_hex = self._ns_of(e)
-            if ns_hex is not None:
+            if ns_hex is not None and delete:
                 self.pending.append(("delete", None, self.store.delete_entry(ns_hex, e.form, e.block.key)))
         e.generation += 1
         if e.tier() is None:

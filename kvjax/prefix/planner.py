@@ -27,6 +27,7 @@ import weakref
 
 import numpy as np
 
+from kvjax.prefix.tiers import STALE_CAUSE
 from kvjax.prefix.plan import CAPACITY, COMPATIBILITY, FormPlan, Lease, Plan, Shortfall
 
 BOUNDARY = "boundary"
@@ -119,7 +120,9 @@ def build_plan(pc, ns, tokens: np.ndarray, *, prompt_logprobs: bool, tiers: tupl
             short.append((len(ents) * P, spec.name, why))
     A = min([limit] + [a for a, _, _ in short])
     for i, (a, name, why) in enumerate(sorted(short, key=lambda s: s[0])):
-        shortfalls.append(Shortfall(CAPACITY, why, f"block {a // P} (tokens {a}..) {why}", name,
+        # another store format's entry computes nothing this version can read: a compatibility miss, not capacity
+        kind = COMPATIBILITY if why.startswith(STALE_CAUSE) else CAPACITY
+        shortfalls.append(Shortfall(kind, why, f"block {a // P} (tokens {a}..) {why}", name,
                                     tokens=limit - A if i == 0 else 0))
 
     # 3. snapshot forms (or plain alignment)

@@ -37,6 +37,7 @@ MARKER_KEY = "kvjax-prefix-store.json"
 MARKER_MAGIC = "kvjax-prefix-store"
 ENTRY_FIELDS = dict(magic=str, format_version=int, namespace=str, form=str, fingerprint=str, block_key=str,
                     parent_key=str, index=int, tokens=list, shape=list, dtype=str, complete=bool)
+STALE_CAUSE = "store format"  # miss cause of an entry another store format wrote: "store format 1"
 _HEX64 = "[0-9a-f]{64}"
 _KEY_RE = re.compile(rf"(?P<ns>{_HEX64})/(?:(?P<nsrec>namespace\.json)|blocks/(?P<block>{_HEX64})|"
                      rf"(?P<form>[a-z][a-z0-9_]*)/(?P<entry>{_HEX64}))")
@@ -142,6 +143,29 @@ def check_bytes(x, spec: FormSpec, memory_kind: str | None = None) -> str | None
     return None
 
 
+class StaleEntry(CorruptEntry):
+    """An entry written by another store format version: not corrupt, just not readable by this kvjax. Counted as a
+    compatibility miss ("store format N") and left in the store (`kvjax cache --evict-stale` removes it)."""
+
+    def __init__(self, msg: str, version):
+        super().__init__(msg)
+        self.version = version
+
+    @property
+    def cause(self) -> str:
+        return f"{STALE_CAUSE} {self.version}"
+
+
+def stale_version(buf):
+    """The format version of a stored entry that another store format wrote (its header is readable and kvjax's),
+    else None (this version's entries, and values that are not kvjax entries at all)."""
+    header = codec.peek_header(buf)
+    if header is None or header.get("magic") != MAGIC or "format_version" not in header:
+        return None
+    v = header["format_version"]
+    return None if v == STORE_FORMAT_VERSION else v
+
+
 def parse_key(key: str) -> tuple[str, str, str | None, str | None] | None:
     """What a key of a store is: ("marker", "", None, None), ("namespace", ns, None, None), ("block", ns, None, key),
     ("entry", ns, form, key) — or None for anything that is not the store's own (never read as data, never deleted).
@@ -183,6 +207,7 @@ class StoreTier:
         self.url = url
         self.timeout_s = timeout_s
         self.kv = ts.KvStore.open(spec).result()
+        self.marker_version = STORE_FORMAT_VERSION
         self._claim(create)
 
     def _claim(self, create: bool) -> None:
@@ -194,9 +219,10 @@ class StoreTier:
                 doc = None
             if not isinstance(doc, dict) or doc.get("magic") != MARKER_MAGIC:
                 raise InputError(f"{self.url} is not a kvjax prefix-cache store: {MARKER_KEY} is not kvjax's marker")
-            if doc.get("format_version") != STORE_FORMAT_VERSION:
-                raise InputError(f"{self.url} is a kvjax prefix-cache store of format {doc.get('format_version')!r}, "
-                                 f"this kvjax reads format {STORE_FORMAT_VERSION}")
+            # A store another format version created opens: its entries are compatibility misses ("store format N",
+            # found when read), this version's entries are written beside them, and the marker is left as it is so
+            # the other version's processes keep using the store too.
+            self.marker_version = doc.get("format_version")
             return
         if not create:
             raise InputError(f"{self.url} is not a kvjax prefix-cache store (no {MARKER_KEY} marker)")
@@ -237,6 +263,10 @@ class StoreTier:
         what = f"entry {spec.name}/{blk.key.hex()[:12]}"
         if raw.state != "value":
             raise CorruptEntry(f"{what}: missing from the store")
+        v = stale_version(raw.value)
+        if v is not None:
+            raise StaleEntry(f"{what}: written by store format {v!r}, this kvjax reads format {STORE_FORMAT_VERSION}",
+                             v)
         header, payload = codec.decode(raw.value, what=what, fields=ENTRY_FIELDS)
         codec.expect(header, dict(magic=MAGIC, format_version=STORE_FORMAT_VERSION, namespace=ns_hex, form=spec.name,
                                   fingerprint=spec.fingerprint, block_key=blk.key.hex(), complete=True,

@@ -96,12 +96,14 @@ class VeriCacheScheduler:
         tail_capacity: slots of each request's decoded-token tail (default: the bucket for max_new + x + 2); fixing
             it (and recent_slots) lets a short warm-up run compile the shapes of a long one.
         temperature: 0 = greedy, > 0 = position-keyed sampling (exact in the same sense).
+        slot_prompt_len: size the draft slots for prompts up to this length (a server's context), instead of for the
+            first admitted request's prompt; give `recent_slots` too, so every request's ring fits the slots.
     """
 
     def __init__(self, model, *, budget_bytes: int, compressor=None,
                  compressor_kw: dict | None = None, draft_len: int = 8, mode: str = "staggered", stagger: str = "delay",
                  draft_chunk: int = 1, max_slots: int = 16, verify_slots: int = 1, recent_slots: int | None = None,
-                 tail_capacity: int | None = None, temperature: float = 0.0):
+                 tail_capacity: int | None = None, temperature: float = 0.0, slot_prompt_len: int | None = None):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
         if stagger not in ("delay", "shorten"):
@@ -125,36 +127,106 @@ class VeriCacheScheduler:
         self.recent_slots = recent_slots
         self.tail_capacity = tail_capacity
         self.temperature = temperature
+        self.slot_prompt_len = slot_prompt_len
 
     # ------------------------------------------------------------ run
 
     def run(self, requests: list[Request]) -> SchedulerResult:
-        """Decode every request; returns outputs in request order plus measurements."""
+        """Decode every request; returns outputs in request order plus measurements.
+
+        The same step-wise mechanism a server drives (`start`, `submit`, `step`), run until every request is done."""
         if not requests:
             raise ValueError("no requests")
-        self._reset(requests)
+        self.start()
+        for r in requests:
+            self.submit(r)
         t0 = time.perf_counter()
-        it = 0
-        while self.queue or self.live:
-            if not self.live and self.queue and self.queue[0][1].arrival > it:
-                it = self.queue[0][1].arrival  # idle until the next arrival
-            if self.mode == "staggered":
-                self._iteration_staggered(it)
-            else:
-                self._iteration_lockstep(it)
-            it += 1
+        while self.busy:
+            self.step()
         wall = time.perf_counter() - t0
-        self.stats.update(iterations=it, slots=self.n_slots, mode=self.mode, draft_len=self.x, draft_chunk=self.chunk,
-                          compressor=getattr(self.comp, "name", type(self.comp).__name__), verify_slots=self.verify_slots,
-                          mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
-                          verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
-                          verifies_per_iteration=list(self.verifies_per_iteration))
         return SchedulerResult(
             name=f"vericache-{self.mode}", outputs={i: np.asarray(o[:requests[i].max_new_tokens], np.int32)
                                                     for i, o in self.done.items()},
             wall_s=wall, tokens=self.emitted, budget_bytes=self.budget, peak_measured_bytes=self.mem.peak_measured,
             peak_reserved_bytes=self.mem.peak_reserved, device_peak_bytes=device_stats_peak(),
-            timeline=self.mem.timeline, stats=self.stats)
+            timeline=self.mem.timeline, stats=self.summary())
+
+    def summary(self) -> dict:
+        """Per-phase times and counts so far (`SchedulerResult.stats`)."""
+        self.stats.update(iterations=self.it, slots=self.n_slots, mode=self.mode, draft_len=self.x,
+                          draft_chunk=self.chunk, compressor=getattr(self.comp, "name", type(self.comp).__name__),
+                          verify_slots=self.verify_slots,
+                          mean_accepted_per_round=float(np.mean(self.accepted)) if self.accepted else 0.0,
+                          verifications=len(self.accepted), row_bytes=self.row_bytes, full_bytes=self.pool_full,
+                          verifies_per_iteration=list(self.verifies_per_iteration))
+        return self.stats
+
+    # ------------------------------------------------------------ step-wise API (one mechanism for run and servers)
+
+    def start(self, *, memory: DeviceMemory | None = None, expected: int = 0) -> None:
+        """Begin an empty run: requests are then `submit`ted and decoded by `step` calls.
+
+        Args:
+            memory: the budget accounting to reserve from (default: a new `DeviceMemory(budget_bytes)`); a server
+                shares one between schedulers.
+            expected: requests the slot batch should be sized for beyond those queued at the first admission (a
+                server passes max_slots: more requests will come).
+        """
+        self._reset([])
+        if memory is not None:
+            self.mem = memory
+        self.expected = expected
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or decoding."""
+        return bool(self.queue or self.live)
+
+    def submit(self, req: Request) -> int:
+        """Queue a request; returns its id (the index `run` reports it under)."""
+        idx = self._next_id
+        self._next_id += 1
+        self.queue.append((idx, req))
+        self.queue.sort(key=lambda p: (p[1].arrival, p[0]))
+        return idx
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        """One scheduler iteration. Returns (request id, tokens emitted since the last step, finished) for every
+        request that emitted tokens or finished — tokens are reported only once their round is verified."""
+        if not self.live and self.queue and self.queue[0][1].arrival > self.it:
+            self.it = self.queue[0][1].arrival  # idle until the next arrival
+        if self.mode == "staggered":
+            self._iteration_staggered(self.it)
+        else:
+            self._iteration_lockstep(self.it)
+        self.it += 1
+        return self._collect()
+
+    def cancel(self, idx: int) -> bool:
+        """Drop a queued or running request and free what it holds (its slot, tail, pending full-cache copy).
+        Returns whether it was found."""
+        for j, (i, _) in enumerate(self.queue):
+            if i == idx:
+                del self.queue[j]
+                return True
+        for s, r in list(self.live.items()):
+            if r.idx == idx:
+                self.inflight.pop(s, None)
+                self._finish(s)
+                self.done.pop(idx, None)
+                self._sent.pop(idx, None)
+                self._fresh_done.remove(idx)
+                return True
+        return False
+
+    def close(self) -> None:
+        """Release every reservation this scheduler holds (its slot batch and verification pool) and its arrays."""
+        for s in list(self.live):
+            self.cancel(self.live[s].idx)
+        self.mem.release(self._held)
+        self._held = 0
+        self.batch = self.drafts = None
+        self.queue, self.inflight = [], {}
 
     def _reset(self, requests):
         self.queue = sorted(enumerate(requests), key=lambda p: (p[1].arrival, p[0]))
@@ -171,6 +243,27 @@ class VeriCacheScheduler:
         self.emitted = 0
         self.stats = dict(draft_s=0.0, draft_calls=0, draft_steps=0, fetch_s=0.0, verify_s=0.0, admit_s=0.0,
                           admissions=0)
+        self.it = 0
+        self.expected = 0
+        self._next_id = len(self.queue)
+        self._sent: dict[int, int] = {}  # request id -> tokens already reported by `step`
+        self._fresh_done: list[int] = []  # finished since the last `step`
+        self._max_new: dict[int, int] = {}
+        self._held = 0  # bytes reserved for the batch and pool (released by `close`)
+
+    def _collect(self) -> list[tuple[int, list[int], bool]]:
+        events = []
+        for r in self.live.values():
+            k = self._sent.get(r.idx, 0)
+            if len(r.out) > k:
+                events.append((r.idx, r.out[k:], False))
+                self._sent[r.idx] = len(r.out)
+        for idx in list(self._fresh_done):
+            out = self.done[idx][: self._max_new[idx]]
+            k = self._sent.pop(idx, 0)
+            events.append((idx, out[k:], True))
+        self._fresh_done = []
+        return events
 
     # ------------------------------------------------------------ iterations
 
@@ -299,6 +392,8 @@ class VeriCacheScheduler:
     def _finish(self, s: int) -> None:
         r = self.live.pop(s)
         self.done[r.idx] = r.out
+        self._fresh_done.append(r.idx)
+        self._max_new[r.idx] = r.req.max_new_tokens
         self.emitted -= max(len(r.out) - r.req.max_new_tokens, 0)  # the last round may overshoot; not emitted
         self.mem.release(r.tail_bytes)
         r.tail = r.host_kv = None
@@ -349,6 +444,7 @@ class VeriCacheScheduler:
                 return False
             if grow:
                 self.mem.reserve(grow, "verification pool")
+                self._held += grow
                 self.pool_full = F
         elif not self.mem.fits(F):
             raise BudgetError(f"one full cache ({F} bytes, the verification slot) exceeds the budget {self.budget}")
@@ -372,7 +468,7 @@ class VeriCacheScheduler:
         host_part, tail = self.model.family.offload_split(full, self._tail_cap(req))
         tail_bytes = tree_nbytes(tail)
         if self.batch is None:
-            self._make_batch(row, F, tail_bytes, n_requests=len(self.queue))
+            self._make_batch(self._slot_shape(row, prompt.size, R), F, tail_bytes, n_requests=max(len(self.queue), self.expected))
         if not self.mem.fits(tail_bytes):
             return False  # (only reachable for later admissions; their full cache copy is dropped below)
         self.mem.reserve(tail_bytes, f"request {idx} tail")
@@ -407,6 +503,17 @@ class VeriCacheScheduler:
         self.stats["admissions"] += 1
         return True
 
+    def _slot_shape(self, row, prompt_len: int, R: int):
+        """A draft row shaped for the longest prompt the slots must hold (`slot_prompt_len`), else `row` itself:
+        a server sizes its slots once for its context, so later, longer prompts still pad into them."""
+        L = self.slot_prompt_len
+        if L is None or L <= prompt_len:
+            return row
+        fam, cfg = self.model.family, self.model.config
+        shape_full = fam.init_cache(cfg, 1, vc.capacity_for(L, 1, self.x), self.model.cache_dtype)
+        shape_full = dataclasses.replace(shape_full, length=jnp.full((1,), L, jnp.int32))
+        return self.comp(self.model.params, cfg, shape_full, np.zeros((L,), np.int32), recent_slots=max(R, self.x + 1))
+
     def _tail_bytes_estimate(self, req) -> int:
         return tree_nbytes(self._parts_abstract(req)[1])
 
@@ -415,7 +522,7 @@ class VeriCacheScheduler:
         self.row_bytes = tree_nbytes(row)
         self.pool_full = F
         pool = self.verify_slots * F + self.row_bytes  # + one draft row of admission scratch
-        n = (self.budget - pool) // (self.row_bytes + tail_bytes)
+        n = (self.mem.budget - self.mem.reserved - pool) // (self.row_bytes + tail_bytes)
         n = int(min(n, self.max_slots, max(n_requests, 1)))
         if n < 1:
             raise BudgetError(f"budget {self.budget} bytes cannot hold {self.verify_slots} verification slot(s) of "
@@ -423,6 +530,7 @@ class VeriCacheScheduler:
                               f"+ tail {tail_bytes}")
         self.n_slots = n
         self.mem.reserve(pool + n * self.row_bytes, "verification pool and draft slots")
+        self._held += pool + n * self.row_bytes
         self.batch = ss.empty_slots(row, n)
         self.drafts = jnp.zeros((n, self.x), jnp.int32)
         self.last = np.zeros((n,), np.int32)
