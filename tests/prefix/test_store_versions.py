@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from kvjax.cli.main import main as cli_main
 from kvjax.prefix import codec
@@ -111,6 +112,7 @@ print(hits, bad)
 """
 
 
+@pytest.mark.slow  # two processes, ~30 s on a 2-core CPU
 def test_two_processes_racing_on_one_store(tmp_path, model, make_cache, run, prompt):
     url = str(tmp_path / "store")
     pc = make_cache(model, device_bytes=0, host_bytes=0, store_url=url)  # create the store before the race

@@ -85,5 +85,12 @@ def offline(tiny):
 
 @pytest.fixture(scope="session")
 def servers(start_server):
-    """One server per mode (prefix cache on), shared by the test modules: mode -> (url, engine, metrics)."""
-    return {mode: start_server(mode) for mode in ("vericache", "full")}
+    """One server per mode (prefix cache on), started on first use and shared by the test modules:
+    servers[mode] -> (url, engine, metrics)."""
+
+    class Servers(dict):
+        def __missing__(self, mode):
+            self[mode] = start_server(mode)
+            return self[mode]
+
+    return Servers()
