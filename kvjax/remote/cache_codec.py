@@ -187,11 +187,40 @@ def structure(tree, prefix: str = "") -> object:
         for f in dataclasses.fields(tree):
             v = getattr(tree, f.name)
             if f.metadata.get("static"):
-                static[f.name] = v
+                static[f.name] = static_json(v)
             else:
                 fields[f.name] = structure(v, f"{prefix}.{f.name}")
         return {"type": f"{cls.__module__}:{cls.__qualname__}", "static": static, "fields": fields}
     return {"leaf": prefix}
+
+
+def static_json(v):
+    """A static field's value as JSON: plain values as they are, a frozen dataclass (e.g. the refreshing drafter's
+    `RefreshSpec`) by type and fields, a tuple tagged so it comes back a tuple (static fields must stay hashable)."""
+    if _is_node(v):
+        cls = type(v)
+        return {"static_type": f"{cls.__module__}:{cls.__qualname__}",
+                "values": {f.name: static_json(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}}
+    if isinstance(v, tuple):
+        return {"static_tuple": [static_json(x) for x in v]}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"static field value of type {type(v).__name__} has no stored form")
+
+
+def static_value(d):
+    """Inverse of `static_json`. Raises CorruptEntry on an unknown type."""
+    try:
+        if isinstance(d, dict) and "static_type" in d:
+            cls = _resolve(d["static_type"])
+            return cls(**{k: static_value(v) for k, v in d.get("values", {}).items()})
+        if isinstance(d, dict) and "static_tuple" in d:
+            return tuple(static_value(x) for x in d["static_tuple"])
+    except (TypeError, AttributeError) as e:
+        raise CorruptEntry(f"bad static value {d!r}: {e}") from None
+    if isinstance(d, (dict, list)):
+        raise CorruptEntry(f"bad static value {d!r}")
+    return d
 
 
 def _resolve(name: str) -> type:
@@ -224,7 +253,7 @@ def rebuild(desc, leaves: dict):
     cls = _resolve(desc.get("type", ""))
     kw = {k: rebuild(v, leaves) for k, v in desc.get("fields", {}).items()}
     try:
-        return cls(**kw, **desc.get("static", {}))
+        return cls(**kw, **{k: static_value(v) for k, v in desc.get("static", {}).items()})
     except TypeError as e:
         raise CorruptEntry(f"cannot rebuild {desc['type']}: {e}") from None
 

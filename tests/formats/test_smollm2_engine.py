@@ -108,10 +108,8 @@ def test_prefix_cache_and_remote_prefix_exact(model, prompt, tmp_path):
     assert plan0.boundary == 0 and plan1.boundary >= P - 64, (plan0, plan1)
     assert len(first) == M
     store = RemoteStore(str(tmp_path / "remote"), chunk_bytes=1 << 20)
-    # the stored draft is a streaming one: remote entries serialise the compressor's settings as JSON, which the
-    # refreshing drafter's spec is not (yet)
-    df.store_prefix(model, store, prompt, drafts=(("streaming", {"ratio": 4.0}),), max_new_tokens=M, max_draft=X)
-    toks, st = df.serve_draft_first(model, store, prompt, M, compressor="streaming", compressor_kw={"ratio": 4.0},
-                                    draft_len=X)
+    # the refreshing drafter (the default), whose draft carries a static RefreshSpec through the manifest's JSON
+    df.store_prefix(model, store, prompt, drafts=(("refresh", {}),), max_new_tokens=M, max_draft=X)
+    toks, st = df.serve_draft_first(model, store, prompt, M, compressor="refresh", compressor_kw={}, draft_len=X)
     assert st["source"] == "draft-first", st.get("reasons")
     np.testing.assert_array_equal(toks, ref)

@@ -3,6 +3,7 @@ mismatches are misses, corrupt entries are detected and never produce a token, t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import threading
@@ -66,6 +67,29 @@ def test_identity_mismatch_is_a_miss(setup):
     toks, st = df.serve_draft_first(model, store, prompt, M, **dict(DRAFT, compressor_kw={"ratio": 8.0}))
     assert st["source"] == "full-fetch" and "draft miss" in st["reasons"][0]
     np.testing.assert_array_equal(toks, ref)
+
+
+def test_refreshing_drafter_stored_and_served_exact(setup, tmp_path):
+    """The refreshing drafter's draft cache carries a static `RefreshSpec`: it must survive the manifest's JSON and
+    come back equal, and draft-first serving from it must be exact."""
+    from kvjax.remote import cache_codec as codec
+
+    model, prompt, _, _, _, ref = setup
+    store = RemoteStore(str(tmp_path / "r"), chunk_bytes=16 << 10)
+    df.store_prefix(model, store, prompt, drafts=(("refresh", {}),), recent_slots=RING, max_new_tokens=M,
+                    max_draft=X)
+    toks, st = df.serve_draft_first(model, store, prompt, M, compressor="refresh", compressor_kw={},
+                                    recent_slots=RING, draft_len=X)
+    assert st["source"] == "draft-first", st["reasons"]
+    np.testing.assert_array_equal(toks, ref)
+    spec = codec.static_value(codec.static_json(codec.static_value(
+        {"static_type": "kvjax.compress.refresh:RefreshSpec", "values": dict(block=16, budget_blocks=4, sink_blocks=1,
+                                                                          recent_blocks=1, period=1)})))
+    assert spec.budget == 64 and hash(spec) == hash(dataclasses.replace(spec))
+    for bad in ({"static_type": "kvjax.compress.refresh:RefreshSpec", "values": {"block": 16}},  # fields missing
+                {"static_type": "os:system", "values": {}}, {"static_tuple": 3}, [1, 2]):
+        with pytest.raises(CorruptEntry):  # a corrupt entry, never a crash or a foreign type
+            codec.static_value(bad)
 
 
 def test_draft_identity_names_compressor_and_settings():
