@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,9 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TINY = os.path.join(ROOT, "checkpoints", "kvjax-code-tiny")
+sys.path.insert(0, ROOT)
 
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from kvjax.server.launch import free_port  # noqa: E402
 
 
 def start_server(args, mode: str):

@@ -30,6 +30,7 @@ def export(checkpoint: str, path: str) -> str:
     import gguf
 
     from kvjax import api
+    from kvjax.formats.gguf_write import add_llama_hparams
 
     model = api.load(checkpoint)
     cfg = model.config
@@ -42,18 +43,8 @@ def export(checkpoint: str, path: str) -> str:
     p = {k: v for k, v in model.params.items() if k != "layers"}
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(os.path.basename(os.path.normpath(checkpoint)))
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_llama_hparams(w, cfg)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))))
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(rope["factor"]))

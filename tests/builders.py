@@ -23,6 +23,14 @@ from kvjax.remote import Link
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))  # the repository root
 CHECKPOINTS = os.path.join(REPO, "checkpoints")
+BUNDLED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")  # the bundled trained checkpoint
+
+
+def cli_error(capsys) -> str:
+    """The one line a refused `kvjax` command wrote to stderr (asserting it wrote exactly one, `kvjax: error: ...`)."""
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("kvjax: error: "), err
+    return err[0]
 
 HF_FAMILIES = {
     "llama": dict(model_type="llama", num_key_value_heads=2,

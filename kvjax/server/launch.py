@@ -7,6 +7,7 @@ line when it is missing.
 from __future__ import annotations
 
 import signal
+import socket
 
 from kvjax.errors import InputError
 
@@ -48,6 +49,16 @@ def build(model, *, served_name: str, mode: str = "vericache", context: int = 20
     app = create_app(engine, metrics, served_name=served_name, api_keys=api_keys,
                      on_shutdown=lambda: engine.shutdown(grace_s))
     return app, engine, metrics
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it), for servers started by tests and benchmarks."""
+    s = socket.socket()
+    try:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
 
 
 def uvicorn_server(app, *, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 10.0):

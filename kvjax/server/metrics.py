@@ -90,57 +90,53 @@ class ServerMetrics:
 
     def render(self) -> str:
         """The text exposition format (version 0.0.4)."""
+        L = []
+
+        def metric(name, kind, help_, samples):
+            """One metric family: its HELP/TYPE lines, then `samples` — a value, or (labels dict, value) pairs."""
+            L.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+            if not isinstance(samples, list):
+                samples = [({}, samples)]
+            for labels, v in samples:
+                lab = ",".join(f'{k}="{_esc(x)}"' for k, x in labels.items())
+                L.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+
+        def histogram(name, help_, h):
+            L.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
+            L.extend(h.lines(name))
+
         with self.lock:
-            L = []
-
-            def head(name, kind, help_):
-                L.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-
-            head("kvjax_requests_total", "counter", "HTTP requests by endpoint and status")
-            for (ep, st), n in sorted(self.requests.items()):
-                L.append(f'kvjax_requests_total{{endpoint="{ep}",status="{st}"}} {n}')
-            head("kvjax_requests_finished_total", "counter", "generations by finish reason")
-            for r, n in sorted(self.finished.items()):
-                L.append(f'kvjax_requests_finished_total{{reason="{r}"}} {n}')
-            head("kvjax_queue_depth", "gauge", "requests waiting for a batch slot")
-            L.append(f"kvjax_queue_depth {self.queue_depth()}")
-            head("kvjax_requests_running", "gauge", "requests decoding")
-            L.append(f"kvjax_requests_running {self.running()}")
-            head("kvjax_prompt_tokens_total", "counter", "prompt tokens of finished requests")
-            L.append(f"kvjax_prompt_tokens_total {self.prompt_tokens}")
-            head("kvjax_generation_tokens_total", "counter", "tokens streamed to clients")
-            L.append(f"kvjax_generation_tokens_total {self.generation_tokens}")
-            head("kvjax_generation_tokens_per_second", "gauge", f"tokens/s over the last {RATE_WINDOW_S:g} s")
-            L.append(f"kvjax_generation_tokens_per_second {self.tokens_per_s()}")
-            head("kvjax_time_to_first_token_seconds", "histogram", "request arrival to its first token")
-            L += self.ttft.lines("kvjax_time_to_first_token_seconds")
-            head("kvjax_time_per_output_token_seconds", "histogram", "mean time per output token after the first")
-            L += self.tpot.lines("kvjax_time_per_output_token_seconds")
-            head("kvjax_accepted_tokens_per_verification", "histogram", "drafts accepted per VeriCache verification")
-            L += self.accepted.lines("kvjax_accepted_tokens_per_verification")
+            metric("kvjax_requests_total", "counter", "HTTP requests by endpoint and status",
+                   [({"endpoint": ep, "status": st}, n) for (ep, st), n in sorted(self.requests.items())])
+            metric("kvjax_requests_finished_total", "counter", "generations by finish reason",
+                   [({"reason": r}, n) for r, n in sorted(self.finished.items())])
+            metric("kvjax_queue_depth", "gauge", "requests waiting for a batch slot", self.queue_depth())
+            metric("kvjax_requests_running", "gauge", "requests decoding", self.running())
+            metric("kvjax_prompt_tokens_total", "counter", "prompt tokens of finished requests", self.prompt_tokens)
+            metric("kvjax_generation_tokens_total", "counter", "tokens streamed to clients", self.generation_tokens)
+            metric("kvjax_generation_tokens_per_second", "gauge", f"tokens/s over the last {RATE_WINDOW_S:g} s",
+                   self.tokens_per_s())
+            histogram("kvjax_time_to_first_token_seconds", "request arrival to its first token", self.ttft)
+            histogram("kvjax_time_per_output_token_seconds", "mean time per output token after the first",
+                      self.tpot)
+            histogram("kvjax_accepted_tokens_per_verification", "drafts accepted per VeriCache verification",
+                      self.accepted)
             budget, reserved, peak = self.memory()
-            head("kvjax_device_budget_bytes", "gauge", "device bytes the schedulers may hold")
-            L.append(f"kvjax_device_budget_bytes {budget}")
-            head("kvjax_device_reserved_bytes", "gauge", "device bytes reserved now")
-            L.append(f"kvjax_device_reserved_bytes {reserved}")
-            head("kvjax_device_peak_measured_bytes", "gauge", "peak measured per-request device bytes")
-            L.append(f"kvjax_device_peak_measured_bytes {peak}")
+            metric("kvjax_device_budget_bytes", "gauge", "device bytes the schedulers may hold", budget)
+            metric("kvjax_device_reserved_bytes", "gauge", "device bytes reserved now", reserved)
+            metric("kvjax_device_peak_measured_bytes", "gauge", "peak measured per-request device bytes", peak)
         st = self.prefix_stats()
         if st is not None:
-            head("kvjax_prefix_lookups_total", "counter", "prefix-cache lookups")
-            L.append(f"kvjax_prefix_lookups_total {st['lookups']}")
-            head("kvjax_prefix_prompt_tokens_total", "counter", "prompt tokens looked up")
-            L.append(f"kvjax_prefix_prompt_tokens_total {st['prompt_tokens']}")
-            head("kvjax_prefix_hit_tokens_total", "counter", "prompt tokens restored from the prefix cache")
-            L.append(f"kvjax_prefix_hit_tokens_total {st['hit_tokens']}")
-            head("kvjax_prefix_reused_tokens_total", "counter", "tokens reused by form and tier")
-            for form, tiers in sorted(st["reused_tokens"].items()):
-                for tier, n in sorted(tiers.items()):
-                    L.append(f'kvjax_prefix_reused_tokens_total{{form="{form}",tier="{tier}"}} {n}')
-            head("kvjax_prefix_miss_tokens_total", "counter", "prompt tokens recomputed, by miss kind and cause")
-            for kind, causes in sorted(st["misses"].items()):
-                for cause, n in sorted(causes.items()):
-                    L.append(f'kvjax_prefix_miss_tokens_total{{kind="{kind}",cause="{_esc(cause)}"}} {n}')
+            metric("kvjax_prefix_lookups_total", "counter", "prefix-cache lookups", st["lookups"])
+            metric("kvjax_prefix_prompt_tokens_total", "counter", "prompt tokens looked up", st["prompt_tokens"])
+            metric("kvjax_prefix_hit_tokens_total", "counter", "prompt tokens restored from the prefix cache",
+                   st["hit_tokens"])
+            metric("kvjax_prefix_reused_tokens_total", "counter", "tokens reused by form and tier",
+                   [({"form": f, "tier": t}, n) for f, tiers in sorted(st["reused_tokens"].items())
+                    for t, n in sorted(tiers.items())])
+            metric("kvjax_prefix_miss_tokens_total", "counter", "prompt tokens recomputed, by miss kind and cause",
+                   [({"kind": k, "cause": c}, n) for k, causes in sorted(st["misses"].items())
+                    for c, n in sorted(causes.items())])
         return "\n".join(L) + "\n"
 
 

@@ -4,26 +4,16 @@ API does, JSONL batches, streamed text on stdout only, --version, help for every
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from builders import CHECKPOINTS, REPO
+from builders import BUNDLED, REPO, cli_error
 
 import kvjax
 from kvjax import cli
-
-BUNDLED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
-
-
-def _error(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("kvjax: error: "), err
-    return err[0]
-
 
 @pytest.mark.parametrize("argv,needle", [
     (["--tp", "0"], "--tp must be >= 1, got 0"),
@@ -44,20 +34,20 @@ def _error(capsys) -> str:
 ])
 def test_bad_flags_fail_in_one_line_before_any_work(capsys, argv, needle):
     assert cli.main(["generate", "--model", "/no/such/model", "--prompt", "x", *argv]) == 2
-    assert needle in _error(capsys)  # checked before the (missing) model is even looked at
+    assert needle in cli_error(capsys)  # checked before the (missing) model is even looked at
 
 
 def test_files_at_fault_are_named(tmp_path, capsys):
     bad = tmp_path / "p.txt"
     bad.write_bytes(b"def f():\n\xff\xfe\n")
     assert cli.main(["generate", "--model", BUNDLED, "--prompt-file", str(bad)]) == 2
-    assert f"--prompt-file {bad}: not UTF-8 text" in _error(capsys)
+    assert f"--prompt-file {bad}: not UTF-8 text" in cli_error(capsys)
     d = tmp_path / "model"
     shutil.copytree(BUNDLED, d, ignore=shutil.ignore_patterns("orbax", "train_state"))
     st = d / "model.safetensors"
     st.write_bytes(st.read_bytes()[:1000])  # truncated
     assert cli.main(["generate", "--model", str(d), "--prompt", "x"]) == 2
-    assert f"{st}: not a readable safetensors file" in _error(capsys)
+    assert f"{st}: not a readable safetensors file" in cli_error(capsys)
 
 
 def test_eos_and_stop_as_the_api(capsys):
@@ -101,7 +91,7 @@ def test_prompts_file_writes_one_json_line_per_prompt(tmp_path, capsys):
         np.testing.assert_array_equal(rows[1]["tokens"], kvjax.generate(model, [5, 6, 7], 8, ignore_eos=True))
     pf.write_text('{"text": "x"}\n')
     assert cli.main(["generate", "--model", BUNDLED, "--prompts-file", str(pf)]) == 2
-    assert "line 1: expected an object with exactly one of" in _error(capsys)
+    assert "line 1: expected an object with exactly one of" in cli_error(capsys)
 
 
 def test_version_help_and_broken_pipes():
@@ -142,7 +132,7 @@ def test_prefix_store_is_created_then_reused(tmp_path, capsys):
     other.mkdir()
     (other / "weights.bin").write_bytes(b"x")
     assert cli.main([*argv[:-2], str(other)]) == 2
-    assert "is not a kvjax prefix-cache store" in _error(capsys)
+    assert "is not a kvjax prefix-cache store" in cli_error(capsys)
 
 
 def test_a_plan_prints_a_summary_not_arrays():

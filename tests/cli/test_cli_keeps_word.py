@@ -5,23 +5,13 @@ compiled runs, one stdout format per invocation."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
-from builders import CHECKPOINTS
+from builders import BUNDLED, cli_error
 
 import kvjax
 from kvjax import cli
-
-BUNDLED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
-
-
-def _error(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("kvjax: error: "), err
-    return err[0]
-
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt", ""], "--prompt is empty"),
@@ -34,7 +24,7 @@ def _error(capsys) -> str:
 ])
 def test_meaningless_flags_are_refused_by_name(capsys, argv, needle):
     assert cli.main(["generate", "--model", "/no/such/model", *argv]) == 2
-    assert needle in _error(capsys)
+    assert needle in cli_error(capsys)
 
 
 def test_vericache_logprobs_reach_the_json(capsys):

@@ -9,13 +9,10 @@ import json
 import os
 
 import pytest
-from builders import CHECKPOINTS, REPO
+from builders import BUNDLED, REPO
 
 from kvjax import cli, plots
 from kvjax.cli import bench
-
-BUNDLED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
-
 
 def test_bench_outputs_resolve_from_the_working_directory(tmp_path, capsys):
     script = os.path.join(REPO, "scripts", "bench_vericache.py")

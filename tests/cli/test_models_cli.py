@@ -4,17 +4,13 @@ trained context unless rope scaling is opted into, and the opt-in builds the sca
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from builders import CHECKPOINTS
+from builders import BUNDLED
 
 from kvjax import cli
 from kvjax.errors import UnsupportedConfigError
 from kvjax.models.llama.config import load_config, with_rope_scaling
-
-BUNDLED = os.path.join(CHECKPOINTS, "kvjax-code-tiny")
-
 
 def test_models_lists_names_and_cache_state(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))

@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 import kvjax  # noqa: E402
 from kvjax.formats.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from kvjax.formats.gguf_weights import uninterleave_rotary  # noqa: E402
+from kvjax.formats.gguf_write import add_llama_hparams  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # one type per tensor kind, so every type the writer can produce is read back in one model
@@ -38,14 +39,7 @@ def write_model(path, model, *, tied, arch="llama", pre="smollm", drop=(), extra
     """A GGUF of a toy kvjax model; returns the expected HF-layout tensors (after each type's rounding)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope.theta)
+    add_llama_hparams(w, c)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(TOKENS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -11,17 +10,10 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.server.launch import free_port
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "kvjax-code-tiny")
 CONTEXT, MAX_TOKENS = 128, 32
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="session")

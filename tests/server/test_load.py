@@ -17,7 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import TINY, free_port
+from conftest import TINY
+
+from kvjax.server.launch import free_port
 
 openai = pytest.importorskip("openai")
 
