@@ -104,8 +104,8 @@ def render_vericache(items) -> str:
     cols, labels = [], {}
     for res, doc in items:
         c = (doc or {}).get("config", {})
-        header.append(f"{res.label}" + (f" ({c['prompts']} prompt{'s' * (c['prompts'] != 1)}, x = {c['draft_len']})"
-                                         if c else ""))
+        header.append(f"{res.label}" + (f" ({c['prompts']} prompt{'s' * (c['prompts'] != 1)} x {c['new_tokens']} "
+                                         f"tokens, x = {c['draft_len']})" if c else ""))
         by = {}
         for r in records(doc):
             if r["name"] == "reference" or r["name"].startswith("lossy["):
@@ -116,7 +116,7 @@ def render_vericache(items) -> str:
                 by[label] = f"1.00 ({num(r['tokens_per_s'])} tok/s)"
             else:
                 acc = r.get("mean_accepted_per_round")
-                by[label] = f"{r['speedup_vs_full']:.2f} · {acc:.1f}" if acc is not None else f"{r['speedup_vs_full']:.2f}"
+                by[label] = f"{r['speedup_vs_full']:.2f}" + (f" · {acc:.1f}" if acc is not None else "")
         cols.append((doc, by))
     rows = column_rows(sorted(labels, key=lambda k: labels[k]), cols)
     same = ["identical to full-cache decoding (every VeriCache row)"]
@@ -302,7 +302,8 @@ def render_remote_prefix(items) -> str:
             continue
         for c in doc["contenders"]:
             rows.append([res.label, c["name"], num(c["context"]), num(c["link_gbps"]), num(c["ttft_s"] * 1e3),
-                         num(c["tokens_per_s"]), num(c.get("mean_accepted_per_round")), f"{c['identical_fraction']:.2f}"])
+                         num(c["tokens_per_s"]), num(c.get("mean_accepted_per_round")),
+                         f"{c['identical_fraction']:.2f}"])
         for r in doc.get("runs", []):
             rows.append([res.label, "draft-first vs full-fetch", num(r["context"]), num(r["link_gbps"]),
                          f"{r['ttft_speedup']:.2f}x sooner", f"{r['throughput_speedup']:.2f}x", DASH,
@@ -355,7 +356,7 @@ def render_short_verify(items) -> str:
 
 
 def render_parity(items) -> str:
-    """Max |Δ logit| against transformers: SmolLM2 per prompt (and its greedy tokens), tiny random models per family."""
+    """Max |Δ logit| against transformers: SmolLM2 per prompt (and its greedy tokens), random models per family."""
     parts = []
     for res, doc in items:
         if doc is None:
