@@ -343,10 +343,13 @@ def render_short_verify(items) -> str:
     header = ["model", "implementation", "decode step (ms)", "verify: ms = decode steps"]
     rows = []
     for res, doc in items:
-        steps = _step_times(doc)
-        if not steps:
+        if doc is None:
             rows.append([res.label, PENDING, DASH, DASH])
             continue
+        steps = _step_times(doc)
+        if not steps:
+            raise ValueError(f"{res.path}: no '<impl> decode step' / '<impl> verify x=N' timings found; "
+                             f"render_short_verify needs updating for this layout")
         for impl in dict.fromkeys(k.split()[0] for k in steps):
             dec = steps.get(f"{impl} decode step")
             ver = [(k.split("=")[1], v) for k, v in steps.items() if k.startswith(f"{impl} verify")]
@@ -400,7 +403,7 @@ def machine_line(docs: list) -> str:
     """The CPU the files record (`lscpu` model name and L3), else the machine every unrecorded run used."""
     seen = []
     for doc in docs:
-        model, l3 = _find(doc, ("cpu_model",)), _find(doc, ("l3_cache",))
+        model, l3 = _find(doc, ("cpu_model", "cpu")), _find(doc, ("l3_cache",))
         if model:
             seen.append(f"{model}" + (f", {_find(doc, ('cpus',))} cores" if _find(doc, ("cpus",)) else "")
                         + (f", {l3} L3" if l3 else ""))
@@ -423,6 +426,8 @@ def load(res, root: str):
 def render_block(name: str, results, root: str) -> str:
     """The Markdown between one table's markers: table, machine line, and each result's regenerate commands."""
     items = [(r, load(r, root)) for r in results if r.table == name]
+    if not items:  # a block placed ahead of its first registry line
+        return f"{PENDING} (no result registered for this table yet)"
     lines = [RENDER[name](items), "", machine_line([d for _, d in items])]
     for r, doc in items:
         files = f"`{r.path}`" + (f", `{r.path[:-5]}.png`" if r.png else "")
@@ -443,10 +448,14 @@ def blocks_in(text: str) -> dict[str, str]:
 
 
 def render_readme(text: str, results, root: str) -> str:
-    """`text` with every marked block re-rendered; a registry table without a block is an error naming it."""
+    """`text` with every marked block re-rendered; a registry table without a block, or a block no render function
+    draws, is an error naming it."""
     missing = sorted({r.table for r in results} - set(blocks_in(text)))
     if missing:
         raise ValueError(f"README.md has no <!-- results:NAME --> block for table(s) {', '.join(missing)}")
+    unknown = sorted(set(blocks_in(text)) - set(RENDER))
+    if unknown:
+        raise ValueError(f"README.md has <!-- results:NAME --> blocks no render function draws: {', '.join(unknown)}")
     return MARKER.sub(lambda m: f"{m.group(1)}\n{render_block(m.group(2), results, root)}\n{m.group(4)}", text)
 
 
