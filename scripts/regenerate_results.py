@@ -70,10 +70,6 @@ class Result:
         return f"{RESULTS_DIR}/{self.name}.json"
 
     @property
-    def model(self) -> str:
-        return self.name.split("_")[[p in MODELS for p in self.name.split("_")].index(True)]
-
-    @property
     def needs(self) -> tuple[str, ...]:
         return tuple(k for k in EXTERNAL if any("{" + k + "}" in a for a in self.args))
 

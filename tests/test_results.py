@@ -22,7 +22,7 @@ sys.path.insert(0, SCRIPTS)
 import regenerate_results as rr  # noqa: E402
 import results_tables as rt  # noqa: E402
 
-NAME = re.compile(r"[a-z0-9_]+?_(smollm2|tiny|random)(_[a-z0-9_]+)?")
+NAME = re.compile(r"[a-z0-9_]+?_(" + "|".join(rr.MODELS) + r")(_[a-z0-9_]+)?")
 SCRIPT_RESULTS = [r for r in rr.RESULTS if not r.is_pytest]
 
 
