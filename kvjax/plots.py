@@ -12,7 +12,7 @@
   --json`): the share of VeriCache rounds that accepted n drafted tokens, and the mean per contender.
 - **roofline** — records carry `step`, `ms` and `floor_ms` (`scripts/bench_roofline.py`): each step's measured time
   against its memory-bandwidth floor, per context length.
-- **bars** — anything else with labelled numeric records (`docs/results/parity.json`, ...): the first numeric field
+- **bars** — anything else with labelled numeric records (`docs/results/parity_random.json`, ...): the first numeric field
   every record has, one bar per record.
 
 Throughput also reads per-contender dicts (`scripts/bench_prefill.py`'s `tokens_per_s: {name: value}`,

@@ -4,7 +4,7 @@ For each context: full-cache decode (`steps.decode`, 32 steps) and a draft step 
 refreshing drafter's first selection) of the bundled checkpoint, each with and without `loop_params`, interleaved
 `--reps` times (best of 3 calls each time); reports ms per token, the ratio, and whether the tokens agree.
 
-Usage: python scripts/bench_fused_loops.py --context 64,8192,32768 --reps 3 --json docs/results/fused_loops.json
+Usage: python scripts/bench_fused_loops.py --context 64,8192,32768 --reps 5 --json docs/results/fused_loops_tiny.json
 """
 
 from __future__ import annotations

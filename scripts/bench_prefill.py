@@ -9,7 +9,7 @@ Contenders, on the same checkpoint and held-out prompt, each run `--reps` times 
     `DynamicCache`, as a user would prefill.
 Reports tokens/s (best of the reps) and the ratios; `--json` writes them.
 
-Usage: python scripts/bench_prefill.py --context 8192,32768 --reps 2 --json docs/results/prefill.json
+Usage: python scripts/bench_prefill.py --context 8192,32768 --reps 2 --json docs/results/prefill_tiny.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Benchmark the prefix cache: lookup latency vs prefix length, restore vs recompute, hit rate vs an oracle.
 
-    python scripts/bench_prefix_cache.py --json results/prefix_cache.json [--quick] [--model checkpoints/...]
+    python scripts/bench_prefix_cache.py --model checkpoints/kvjax-code-tiny --json docs/results/prefix_cache_tiny.json
+    (--quick: small sizes; without --model, a tiny random Llama)
 
 1. lookup + plan latency for 16K..128K-token cached prefixes (metadata only: the forms are synthetic);
 2. restore time (device / host / store tiers) vs recomputing a 16K-token prefix, with a Llama-family model

@@ -12,7 +12,7 @@ For each context length, on one held-out prompt of the checkpoint's corpus:
 Prints a table, writes JSON (one record per step and context) and a plot of ms/token vs context (kvjax decode, its
 floor, the peers).
 
-Usage: python scripts/bench_roofline.py --context 8192,32768 --json docs/results/roofline.json [--llama-bench PATH]
+Usage: python scripts/bench_roofline.py --context 8192 --json docs/results/roofline_tiny_8k.json [--llama-bench PATH]
        (--compressors streaming,kivi4 to keep a run short; --random for a random-weight model of the same shape)
 """
 

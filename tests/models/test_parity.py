@@ -15,7 +15,7 @@ from kvjax.decode import steps
 import jax.numpy as jnp
 
 PROMPT_LEN = 70  # several sliding windows (W = 16) and not a multiple of anything
-# set to a path (the README's figures: docs/results/parity.json) to record each family's measured max |Δ logit|
+# set to a path (the README's figures: docs/results/parity_random.json) to record each family's measured max |Δ logit|
 PARITY_JSON = os.environ.get("KVJAX_PARITY_JSON")
 
 
@@ -29,7 +29,7 @@ def measured():
                 for n, v in sorted(out.items())]
         with open(PARITY_JSON, "w", encoding="utf-8") as f:
             json.dump(dict(meta=dict(reference=f"transformers {transformers.__version__} (PyTorch CPU, f32, eager)",
-                                     command="KVJAX_PARITY_JSON=docs/results/parity.json python -m pytest "
+                                     command="KVJAX_PARITY_JSON=docs/results/parity_random.json python -m pytest "
                                              "tests/models/test_parity.py -k prefill_logits"),
                            records=recs), f, indent=1)
 
