@@ -20,8 +20,8 @@ from kvjax.generation import Delta, Generation
 from kvjax.model import Model
 from kvjax.models.llama.config import ModelConfig, config_from_hf, load_config
 from kvjax.prefix import PrefixCache
-from kvjax.serve.full_scheduler import FullCacheScheduler
-from kvjax.serve.vericache_scheduler import Request, VeriCacheScheduler
+from kvjax.scheduling.full_scheduler import FullCacheScheduler
+from kvjax.scheduling.vericache_scheduler import Request, VeriCacheScheduler
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "BudgetError", "CapacityError", "CorruptEntry", "Delta", "Family",
            "FullCacheScheduler", "Generation", "InputError", "KvjaxError", "Model", "ModelConfig", "PrefixCache",

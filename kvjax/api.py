@@ -2,7 +2,7 @@
 
 `generate` and `generate_vericache` take one prompt (a 1-D sequence of token ids) or a batch (a list of them, ragged
 lengths allowed — or a 2-D array). One prompt runs directly; a batch runs through the continuous-batching schedulers
-(`kvjax.serve`) under a device-memory budget derived from the device. Sampling (`temperature`, `top_k`, `top_p`,
+(`kvjax.scheduling`) under a device-memory budget derived from the device. Sampling (`temperature`, `top_k`, `top_p`,
 `min_p`, `seed`) and stopping (`stop` strings and token ids, EOS unless `ignore_eos`) mean the same in every mode
 (`kvjax.decode.sampling.Sampling`, `kvjax.generation.StopRule`); VeriCache stays exact for all of them.
 """
@@ -308,7 +308,7 @@ def generate(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_MAX_NEW_TOK
         warmup: compile the decode step before timing (without it, a call that compiles reports `tokens_per_s`
             only over its calls that did not compile).
         progress: optional callback(tokens emitted so far, new token ids).
-        budget_bytes: device bytes for a batch's caches (default: `kvjax.serve.memory.default_budget`).
+        budget_bytes: device bytes for a batch's caches (default: `kvjax.scheduling.memory.default_budget`).
 
     Returns:
         a `Generation` (array-like token ids with `.text`, `.finish_reason`, `.logprobs`, `.stats`), a list of them
@@ -348,9 +348,9 @@ def _one_full(model, ids, max_new_tokens, sampling, seed, rule, logprobs, prefix
 
 
 def _batch_full(model, batch, max_new_tokens, sampling, seed, rule, budget_bytes) -> list[Generation]:
-    from kvjax.serve.full_scheduler import FullCacheScheduler  # noqa: PLC0415 - serve sits above the engine
-    from kvjax.serve.memory import default_budget  # noqa: PLC0415
-    from kvjax.serve.requests import Request  # noqa: PLC0415
+    from kvjax.scheduling.full_scheduler import FullCacheScheduler  # noqa: PLC0415 - serve sits above the engine
+    from kvjax.scheduling.memory import default_budget  # noqa: PLC0415
+    from kvjax.scheduling.requests import Request  # noqa: PLC0415
 
     sched = FullCacheScheduler(model, budget_bytes=budget_bytes or default_budget(), temperature=sampling)
     res = sched.run([Request(prompt=p, max_new_tokens=max_new_tokens, seed=seed + i) for i, p in enumerate(batch)])
@@ -527,9 +527,9 @@ def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCa
 
 def _batch_vericache(model, batch, max_new_tokens, sampling, seed, rule, budget_bytes, compressor, compressor_kw,
                      draft_len) -> list[Generation]:
-    from kvjax.serve.memory import default_budget  # noqa: PLC0415 - serve sits above the engine
-    from kvjax.serve.requests import Request  # noqa: PLC0415
-    from kvjax.serve.vericache_scheduler import VeriCacheScheduler  # noqa: PLC0415
+    from kvjax.scheduling.memory import default_budget  # noqa: PLC0415 - serve sits above the engine
+    from kvjax.scheduling.requests import Request  # noqa: PLC0415
+    from kvjax.scheduling.vericache_scheduler import VeriCacheScheduler  # noqa: PLC0415
 
     sched = VeriCacheScheduler(model, budget_bytes=budget_bytes or default_budget(), compressor=compressor,
                                compressor_kw=compressor_kw, draft_len=draft_len, temperature=sampling)

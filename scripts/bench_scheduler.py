@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvjax.decode import offload as offl  # noqa: E402
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
-from kvjax.serve import requests  # noqa: E402
-from kvjax.serve import vericache_scheduler as sch  # noqa: E402
-from kvjax.serve.full_scheduler import FullCacheScheduler  # noqa: E402
+from kvjax.scheduling import requests  # noqa: E402
+from kvjax.scheduling import vericache_scheduler as sch  # noqa: E402
+from kvjax.scheduling.full_scheduler import FullCacheScheduler  # noqa: E402
 from bench_common import bench_prompts, load_bench_model  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),

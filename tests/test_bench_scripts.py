@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow  # ~33 s end to end; the schedulers' exactness stays in CI through tests/serve/test_scheduler.py
+@pytest.mark.slow  # ~33 s end to end; the schedulers' exactness stays in CI through tests/scheduling/test_scheduler.py
 def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
     out = tmp_path / "sched.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_scheduler.py"), "--random",

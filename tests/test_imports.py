@@ -16,7 +16,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 PACKAGES = ("kvjax", "pallas_kernels")
 
 # Layers, lowest first: a module may import only modules of its own layer or lower ones (DESIGN.md: cache -> models
-# -> decode -> serve/remote -> cli). A top-level module of `kvjax/` (api, model, errors, ...) is placed explicitly.
+# -> decode -> scheduling/remote -> cli). A top-level module of `kvjax/` (api, model, errors, ...) is placed explicitly.
 LAYERS = [
     ("pallas_kernels", "kvjax.errors", "kvjax.arrays", "kvjax.data", "kvjax.tokenizer", "kvjax.checkpoint",
      "kvjax.generation"),
@@ -26,7 +26,7 @@ LAYERS = [
     ("kvjax.decode",),
     ("kvjax.prefix",),
     ("kvjax.families",),
-    ("kvjax.serve", "kvjax.remote", "kvjax.plots", "kvjax.formats"),
+    ("kvjax.scheduling", "kvjax.remote", "kvjax.plots", "kvjax.formats"),
     ("kvjax.api",),
     ("kvjax.training",),  # trains and evaluates the bundled models through the public API
     ("kvjax",),  # the package's public face re-exports everything

@@ -1,7 +1,7 @@
 """The Family protocol: everything the one decode engine needs from a model family, as a value.
 
 A family is a frozen dataclass of functions (tpu-inference's `ModelInterface`, gemma's `TransformerLike`): the engine
-(`kvjax.decode`), the schedulers (`kvjax.serve`), remote prefix serving (`kvjax.remote`) and the prefix cache
+(`kvjax.decode`), the schedulers (`kvjax.scheduling`), remote prefix serving (`kvjax.remote`) and the prefix cache
 (`kvjax.prefix`) call these and never ask which family they run. A new family is one folder under `kvjax/models/`,
 one file here and one registry line (`kvjax.families.registry`).
 

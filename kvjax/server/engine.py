@@ -1,14 +1,14 @@
 """The one scheduler loop behind the HTTP server: a background thread that owns the model and the schedulers.
 
 Requests (`Job`s) arrive from the HTTP handlers through a bounded inbox; the thread hands them to a scheduler of
-`kvjax.serve` (VeriCache or full cache — the same step-wise `submit` / `step` / `cancel` mechanism their `run()`
+`kvjax.scheduling` (VeriCache or full cache — the same step-wise `submit` / `step` / `cancel` mechanism their `run()`
 uses), steps every busy scheduler, and turns each verified piece of output into a `Delta` for its client. The
 thread stops a request at its stop rule (cancelling it in the scheduler frees its slot at once), when its client
 goes away, or when it fails.
 
 Sampling configurations are static in the compiled steps, so requests are grouped by theirs: one scheduler per
 configuration in use (greedy requests all share one), all reserving from one device-memory budget
-(`kvjax.serve.memory.DeviceMemory`); an idle scheduler is closed and its memory released. A group that cannot get
+(`kvjax.scheduling.memory.DeviceMemory`); an idle scheduler is closed and its memory released. A group that cannot get
 memory while others hold it waits for them.
 
 With a `PrefixCache`, every prompt is prefilled through it under its tenant's namespace (the tenant salt keeps
@@ -30,10 +30,10 @@ from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
 from kvjax.errors import BudgetError, KvjaxError
 from kvjax.generation import DeltaBuilder
-from kvjax.serve.full_scheduler import FullCacheScheduler
-from kvjax.serve.memory import DeviceMemory
-from kvjax.serve.requests import Request
-from kvjax.serve.vericache_scheduler import VeriCacheScheduler
+from kvjax.scheduling.full_scheduler import FullCacheScheduler
+from kvjax.scheduling.memory import DeviceMemory
+from kvjax.scheduling.requests import Request
+from kvjax.scheduling.vericache_scheduler import VeriCacheScheduler
 from kvjax.server.schemas import ApiError, GenRequest
 
 MODES = ("vericache", "full")

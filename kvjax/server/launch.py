@@ -32,7 +32,7 @@ def build(model, *, served_name: str, mode: str = "vericache", context: int = 20
     -> tenant) and `grace_s` (how long a shutdown lets in-flight requests finish).
     """
     require_serve_extra()
-    from kvjax.serve.memory import default_budget  # noqa: PLC0415
+    from kvjax.scheduling.memory import default_budget  # noqa: PLC0415
     from kvjax.server.app import create_app  # noqa: PLC0415
     from kvjax.server.engine import Engine  # noqa: PLC0415
     from kvjax.server.metrics import ServerMetrics  # noqa: PLC0415

@@ -78,9 +78,9 @@ def test_stream_and_sampling_equal_generate(model):
 
 @pytest.mark.slow
 def test_schedulers_exact(model):
-    from kvjax.serve.full_scheduler import FullCacheScheduler
-    from kvjax.serve.requests import Request
-    from kvjax.serve.vericache_scheduler import VeriCacheScheduler
+    from kvjax.scheduling.full_scheduler import FullCacheScheduler
+    from kvjax.scheduling.requests import Request
+    from kvjax.scheduling.vericache_scheduler import VeriCacheScheduler
     from kvjax.data import corpus
 
     prompts = corpus.long_prompts(model.tokenizer, 512, 3, seed=2)

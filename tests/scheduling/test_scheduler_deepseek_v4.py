@@ -12,10 +12,10 @@ from builders import assert_every_request_exact, make_v4
 import kvjax
 from kvjax.decode import vericache as vc
 from kvjax.decode import verify
-from kvjax.serve import batch_steps as ss
-from kvjax.serve import requests
-from kvjax.serve import vericache_scheduler as sch
-from kvjax.serve.full_scheduler import FullCacheScheduler
+from kvjax.scheduling import batch_steps as ss
+from kvjax.scheduling import requests
+from kvjax.scheduling import vericache_scheduler as sch
+from kvjax.scheduling.full_scheduler import FullCacheScheduler
 
 X = 4
 

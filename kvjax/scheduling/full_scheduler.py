@@ -20,10 +20,10 @@ import numpy as np
 from kvjax.arrays import tree_nbytes
 from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
-from kvjax.serve import batch_steps as ss
-from kvjax.serve.requests import Request, SchedulerResult
+from kvjax.scheduling import batch_steps as ss
+from kvjax.scheduling.requests import Request, SchedulerResult
 from kvjax.errors import BudgetError
-from kvjax.serve.memory import DeviceMemory, device_stats_peak
+from kvjax.scheduling.memory import DeviceMemory, device_stats_peak
 
 
 class FullCacheScheduler:

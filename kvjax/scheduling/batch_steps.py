@@ -1,4 +1,4 @@
-"""Jit-compiled pieces of the many-request schedulers (`kvjax.serve.vericache_scheduler`, `.full_scheduler`), for
+"""Jit-compiled pieces of the many-request schedulers (`kvjax.scheduling.vericache_scheduler`, `.full_scheduler`), for
 every model family.
 
 - `draft_slots`: batched drafting over static slots. Every slot drafts until its own `count` reaches its own `limit`;

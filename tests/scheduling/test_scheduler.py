@@ -11,11 +11,11 @@ from kvjax import load
 from kvjax.cache.draft import DraftCache
 from kvjax.compress import make_compressor
 from kvjax.decode import verify
-from kvjax.serve import requests
-from kvjax.serve import vericache_scheduler as sch
-from kvjax.serve import batch_steps as ss
+from kvjax.scheduling import requests
+from kvjax.scheduling import vericache_scheduler as sch
+from kvjax.scheduling import batch_steps as ss
 from kvjax.decode import vericache as vc
-from kvjax.serve.full_scheduler import FullCacheScheduler
+from kvjax.scheduling.full_scheduler import FullCacheScheduler
 from kvjax.errors import BudgetError
 from builders import assert_every_request_exact
 

@@ -29,7 +29,7 @@ of the time (scripts/bench_scheduler.py prints that bound), and the per-iteratio
 eats part of it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule is for accelerators, where
 drafting reads device memory while the copies use the interconnect.
 
-Budget (`kvjax.serve.memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
+Budget (`kvjax.scheduling.memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
 batch (static slots of the first request's draft-cache shape) and the verification pool (`verify_slots` full caches
 plus one draft row of admission scratch) to fit `budget_bytes`. Requests that do not fit wait.
 """
@@ -50,9 +50,9 @@ from kvjax.decode import vericache as vc
 from kvjax.decode import verify as verify_mod
 from kvjax.decode.refresh import refresh_step
 from kvjax.errors import BudgetError, InputError
-from kvjax.serve import batch_steps as ss
-from kvjax.serve.memory import DeviceMemory, device_stats_peak
-from kvjax.serve.requests import Request, SchedulerResult
+from kvjax.scheduling import batch_steps as ss
+from kvjax.scheduling.memory import DeviceMemory, device_stats_peak
+from kvjax.scheduling.requests import Request, SchedulerResult
 
 MODES = ("staggered", "lockstep")
 
