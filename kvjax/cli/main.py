@@ -12,7 +12,8 @@
 `--json` alone prints the result as JSON on stdout (and nothing else there); `--json PATH` writes it to PATH.
 Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal;
 when stderr is not a terminal, each phase prints one line there instead. Ctrl-C exits with status 130.
-`kvjax --version` prints the version. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
+Compiled programs are kept in JAX's persistent cache (`$KVJAX_CACHE_DIR/xla`; `KVJAX_COMPILE_CACHE=0` turns it off),
+so a second run with the same shapes does not compile again. `kvjax --version` prints the version. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
 status, never a traceback (set KVJAX_DEBUG=1 to see one).
 """
 
@@ -24,7 +25,7 @@ import os
 import sys
 import threading
 
-from kvjax.cli import bench, cache, generate, models, plot, serve
+from kvjax.cli import bench, cache, compile_cache, generate, models, plot, serve
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
 from kvjax.cli.interrupt import exit_on_interrupt
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         if script_args and args.command != "bench":
             raise CliError(f"arguments after -- are for `kvjax bench` only, got {' '.join(script_args)}")
         check_output_path(args.json)
+        compile_cache.enable()
         result = args.fn(args)
         if args.command == "generate":
             log(summary(result))
