@@ -89,6 +89,7 @@ def test_logprobs_are_the_model_distribution(model):
     np.testing.assert_allclose(g.logprobs, want, atol=1e-4)
 
 
+@pytest.mark.slow  # CI time; ragged batches are exact in tests/scheduling and tests/test_api_result.py
 def test_ragged_batches_through_the_schedulers(model):
     prompts = [_ids(20, 1), _ids(7, 2), _ids(45, 3)]
     gens = kvjax.generate(model, prompts, 12)

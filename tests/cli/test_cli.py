@@ -68,6 +68,7 @@ def test_generate_vericache_chat_file_compare_full(model_dir, tmp_path, capsys):
     assert "summary: mode=vericache" in cap.err
 
 
+@pytest.mark.slow  # CI time; adaptive x is exact in tests/decode/test_draft_length.py and the default in test_api_result.py
 def test_generate_vericache_adaptive_draft_length(model_dir, tmp_path, capsys):
     """--adaptive: each round's x comes from the CLI's set (kept equal to the engine's), output still identical."""
     from kvjax.cli.generate import ADAPTIVE_SET

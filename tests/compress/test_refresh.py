@@ -32,7 +32,9 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
 
 
 @pytest.mark.parametrize("name,offload,temperature,period", [
-    ("llama", False, 0.0, 1), ("llama", True, 0.8, 1), ("qwen2", False, 0.0, 2), ("mistral", True, 0.0, 1),
+    ("llama", False, 0.0, 1), ("llama", True, 0.8, 1),
+    pytest.param("qwen2", False, 0.0, 2, marks=pytest.mark.slow),  # CI time: the other families run other drafters
+    pytest.param("mistral", True, 0.0, 1, marks=pytest.mark.slow),
     ("llama", False, 0.0, None)])  # None: the default schedule (re-select once 32 tokens were drafted)
 def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
     m = kvjax.load(hf_model_dir(name)[1])
@@ -121,7 +123,8 @@ def test_refresh_in_the_scheduler_is_exact(hf_model_dir):
         assert g.stats["compressor"] == "refresh"
 
 
-@pytest.mark.parametrize("name,offload,temperature", [("refresh_kivi2", False, 0.0), ("refresh_kivi4", True, 0.8)])
+@pytest.mark.parametrize("name,offload,temperature", [
+    pytest.param("refresh_kivi2", False, 0.0, marks=pytest.mark.slow), ("refresh_kivi4", True, 0.8)])  # CI: one bulk
 def test_refresh_over_a_quantized_bulk_is_exact(hf_model_dir, name, offload, temperature):
     m = kvjax.load(hf_model_dir("llama")[1])
     p = _prompt(seed=9)

@@ -33,6 +33,7 @@ def test_training_loss_matches_the_decode_forward():
     np.testing.assert_allclose(float(next_token_loss(params, cfg, windows)), float(want), rtol=1e-5)
 
 
+@pytest.mark.slow  # CI time; training makes the bundled checkpoint, serving never runs it
 def test_accumulated_step_equals_one_big_batch():
     cfg = toy_config()
     opt = make_optimizer(1e-2, 1, 10)
@@ -83,6 +84,7 @@ def _run(cfg, opt, step_fn, state, sampler, steps):
     return state
 
 
+@pytest.mark.slow  # CI time; training makes the bundled checkpoint, serving never runs it
 def test_resume_continues_exactly_where_it_stopped(tmp_path):
     cfg = toy_config()
     opt = make_optimizer(1e-2, 1, 10)
