@@ -45,8 +45,8 @@ def test_verify_rows_bitwise_equal_reference_row0(model):
         np.testing.assert_array_equal(np.asarray(lg[0, j]), ref_rows[j])
 
 
-# CI runs one case (greedy token-dropping + quantizing; verify rows are checked bitwise below); `-m slow` runs every pairing (the
-# KIVI-4 sampled and offloaded cases take ~45 s each here).
+# CI runs one case (greedy token-dropping + quantizing; verify rows are checked bitwise below); `-m slow` runs
+# every pairing (the KIVI-4 sampled and offloaded cases take ~45 s each here).
 @pytest.mark.parametrize("comp,kw,temperature,rejection,offload", [
     ("dropquant", dict(ratio=8.0, sinks=0, bits=2), 0.0, False, False),
     pytest.param("streaming", {}, 0.0, False, False, marks=pytest.mark.slow),
