@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -51,7 +52,9 @@ constexpr float kMInit = -FLT_MAX;  // online_softmax.M_INIT
 
 // ------------------------------------------------------------------------------------------------ a small pool
 // XLA:CPU runs this custom call on one of its threads; the pool adds workers for the duration of a call. A call that
-// finds the pool busy (another attention running concurrently) runs on its own thread.
+// finds the pool busy (another attention running concurrently) runs on its own thread. The caller takes units itself
+// and waits only for units a worker has claimed, never for a worker to wake up: on a loaded machine a sleeping
+// worker can take a scheduler time slice (milliseconds) to run, longer than a whole decode-step attention.
 class Pool {
  public:
   static Pool& get() {
@@ -66,22 +69,34 @@ class Pool {
       for (int64_t u = 0; u < units; ++u) fn(u);
       return;
     }
+    // One job per call, shared with the workers that pick it up: a worker that wakes after the call returned finds
+    // every unit taken and never touches `fn` (which lives only for the call).
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->units = units;
     {
       std::lock_guard<std::mutex> g(mu_);
-      fn_ = &fn;
-      units_ = units;
-      next_.store(0);
-      active_ = static_cast<int>(workers_.size());
+      job_ = job;
       ++generation_;
     }
     cv_.notify_all();
-    Drain();
-    std::unique_lock<std::mutex> g(mu_);
-    done_cv_.wait(g, [&] { return active_ == 0; });
-    fn_ = nullptr;
+    Drain(*job);
+    std::unique_lock<std::mutex> g(job->mu);
+    job->cv.wait(g, [&] { return job->done == job->units; });
+    std::lock_guard<std::mutex> g2(mu_);
+    if (job_ == job) job_.reset();
   }
 
  private:
+  struct Job {
+    const std::function<void(int64_t)>* fn = nullptr;
+    int64_t units = 0;
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;  // under mu
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+
   static int ThreadCount() {
     if (const char* env = std::getenv("KVJAX_NATIVE_THREADS")) {
       int n = std::atoi(env);
@@ -96,31 +111,32 @@ class Pool {
     for (auto& w : workers_) w.detach();
   }
 
-  void Drain() {
-    for (int64_t u; (u = next_.fetch_add(1)) < units_;) (*fn_)(u);
+  static void Drain(Job& job) {
+    for (int64_t u; (u = job.next.fetch_add(1)) < job.units;) {
+      (*job.fn)(u);
+      std::lock_guard<std::mutex> g(job.mu);
+      if (++job.done == job.units) job.cv.notify_all();
+    }
   }
 
   void Loop() {
     uint64_t seen = 0;
     for (;;) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> g(mu_);
         cv_.wait(g, [&] { return generation_ != seen; });
         seen = generation_;
+        job = job_;
       }
-      Drain();
-      std::lock_guard<std::mutex> g(mu_);
-      if (--active_ == 0) done_cv_.notify_one();
+      if (job) Drain(*job);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex run_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t units_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_ = 0;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;
   uint64_t generation_ = 0;
 };
 
