@@ -388,7 +388,8 @@ inline void PV2(float* o0, float* o1, bool first, float alpha0, float alpha1, co
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pj0 = _mm256_set1_ps(p0[j]), pj1 = _mm256_set1_ps(p1[j]);
     for (int c = 0; c < C; ++c) {
-      const __m256 vv = _mm256_loadu_ps(vb + j * 8 * C + 8 * c);
+      __m256 vv = _mm256_loadu_ps(vb + j * 8 * C + 8 * c);
+      __asm__("" : "+x"(vv));  // keep the values in a register: folded into each row's FMA they were loaded twice
       a0[c] = _mm256_fmadd_ps(pj0, vv, a0[c]);
       a1[c] = _mm256_fmadd_ps(pj1, vv, a1[c]);
     }
