@@ -161,9 +161,10 @@ def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
 #   tiny (8 heads / 4 KV, D = 32), rows 1/5/9/17/33/256: 9,216 slots 1.05/1.85, 2.81/7.92, 3.93/5.40, 6.02/16.0,
 #     10.3/31.3, 116/219; 36,864 slots 4.86/18.6, 12.4/43.9, 11.5/43.5, 29.3/68.2, 32.9/69.0, 173/453
 #     (native/XLA 0.26-0.73; native/PyTorch fused SDPA in the same run 0.16-0.88);
-#   SmolLM2-135M (9 heads / 3 KV, D = 64), rows 1/9/33/256, exploratory run: 2,048 slots 0.31/0.74, 1.47/2.83,
-#     3.40/6.92, 21.6/80.9; 8,192 slots 1.76/2.91, 4.73/8.01, 13.6/19.1, 89.0/127; tiny shape at 256-4,096 slots
-#     (draft rings and buffers): native/XLA 0.24-0.89.
+#   SmolLM2-135M (9 heads / 3 KV, D = 64), rows 1/5/9/17/33/256: 2,048 slots 0.69/1.79, 0.63/1.62, 1.49/2.82,
+#     1.71/6.54, 2.53/8.97, 18.3/66.2; 8,192 slots 1.46/4.35, 4.17/5.29, 3.11/9.67, 7.00/15.2, 10.1/20.3, 60.2/96.8
+#     (native/XLA 0.26-0.79 at 2K-8K; native/PyTorch 0.44-1.26: PyTorch is faster at 1 and 256 rows of 2K and
+#     33 rows of 4K); tiny shape at 256-4,096 slots (draft rings and buffers, an exploratory run): 0.24-0.89.
 # The kernel scores up to 16 query rows against each group of keys it loads (register-blocked across rows, each
 # row's arithmetic unchanged), so it no longer re-reads a key block per row and wins at every row count and cache
 # size measured, from 256-slot draft rings to 256-row prefill chunks over 36,864 slots. Hence: native for every f32
