@@ -1,7 +1,8 @@
 """Benchmark: one attention layer by the native kernel, by XLA, and by PyTorch's fused CPU attention, interleaved.
 
 Per shape (query rows x cache slots, the model's heads, f32, B = 1, the cache filled to `slots - 300` and the rows at
-its end, causal among themselves): kvjax's native kernel (`pallas_kernels` "native"), kvjax's XLA path
+its end, causal among themselves): kvjax's native kernel (`pallas_kernels.attend(..., implementation="native")`, whatever
+the model's dispatch picks for the shape), kvjax's XLA path
 (`kvjax.models.attention.default_attention`), and `torch.nn.functional.scaled_dot_product_attention` (GQA, the
 occupied keys only, an explicit causal mask for the rows, `torch.set_num_threads(threads)`). Each repetition times
 every contender once in turn, so a load change on a shared machine hits them alike; the best of the repetitions is
@@ -66,7 +67,8 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
             qpos = (L - T + jnp.arange(T))[None].astype(jnp.int32)
             fns = {"xla": jax.jit(lambda q: attn.attention(q, k, v, qpos, kpos, implementation="xla"))}
             if native_ok:
-                fns["native"] = jax.jit(lambda q: attn.attention(q, k, v, qpos, kpos, implementation="native"))
+                # the kernel itself (not `attention`, whose dispatch may hand this shape to XLA)
+                fns["native"] = jax.jit(lambda q: pallas_kernels.attend(q, k, v, qpos, kpos, implementation="native"))
             calls = {name: (lambda f=f: jax.block_until_ready(f(q))) for name, f in fns.items()}
             if torch is not None:
                 tq = torch.from_numpy(np.ascontiguousarray(q_np.transpose(0, 2, 1, 3)))
@@ -89,7 +91,8 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
                     t0 = time.perf_counter()
                     c()
                     times[name].append(time.perf_counter() - t0)
-            rec = dict(slots=S, rows=T, **{f"{n}_ms": min(t) * 1e3 for n, t in times.items()})
+            rec = dict(heads=N, kv_heads=K, head_dim=D, slots=S, rows=T,
+                       **{f"{n}_ms": min(t) * 1e3 for n, t in times.items()})
             if "native_ms" in rec:
                 rec["native_over_xla"] = rec["native_ms"] / rec["xla_ms"]
                 if "torch_sdpa_ms" in rec:
@@ -120,8 +123,27 @@ def main(argv=None):
     print(f"[bench] native: {pallas_kernels.native.status()}", flush=True)
     recs = compare(N, K, D, rows, slots, args.reps, args.threads, log=lambda s: print(s, flush=True))
     if args.json:
+        import platform
+
+        meta = dict(command="python scripts/bench_attention_peers.py " + " ".join(argv if argv is not None
+                                                                                  else sys.argv[1:]),
+                    native=pallas_kernels.native.status(), cpu=_cpu_model(), machine=platform.machine(),
+                    dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
         with open(args.json, "w") as f:
-            json.dump(recs, f, indent=1)
+            json.dump(dict(meta=meta, records=recs), f, indent=1)
+
+
+def _cpu_model() -> str:
+    """lscpu's model name (Linux) or the platform's processor string."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ Why: the verify's cost in full-cache decode steps decides VeriCache's speedup; i
      decode step, with the native kernel and with XLA, interleaved (the jit caches are cleared between the modes):
      verify ms and verify / decode-step ratio per implementation.
 
-Usage: python scripts/bench_short_verify.py --context 32768 --draft-lens 8,32 --rows 1,5,9,17,33,256
+Usage: python scripts/bench_short_verify.py --context 32768 --draft-lens 8,32 --rows 1,5,9,17,33,256 [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -74,11 +75,17 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
                 res.setdefault(f"{impl} verify x={x}", []).append(verify_ms(x, impl))
     jax.clear_caches()
     best = {k: min(v) for k, v in res.items()}
+    out = {}
     for name, v in res.items():
         impl = name.split()[0]
-        steps_ = "" if "decode" in name else f"  = {min(v) / best[f'{impl} decode step']:5.2f} decode steps"
+        rec = dict(ms=min(v), runs_ms=v)
+        steps_ = ""
+        if "decode" not in name:
+            rec["decode_steps"] = min(v) / best[f"{impl} decode step"]
+            steps_ = f"  = {rec['decode_steps']:5.2f} decode steps"
+        out[name] = rec
         print(f"  {name:22s} {min(v):8.2f} ms{steps_}  (runs: {', '.join(f'{a:.2f}' for a in v)})", flush=True)
-    return best
+    return out
 
 
 def main(argv=None):
@@ -92,6 +99,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="native,xla", help="implementations of the verify/decode-step timing")
     ap.add_argument("--skip-layer", action="store_true", help="only the verify/decode steps")
     ap.add_argument("--skip-steps", action="store_true", help="only the per-layer attention")
+    ap.add_argument("--json", default=None, help="write the per-layer records and the verify/decode steps here")
     args = ap.parse_args(argv)
     try:
         xs = [int(a) for a in args.draft_lens.split(",")]
@@ -105,11 +113,17 @@ def main(argv=None):
     cfg = model.config
     print(f"[bench] {args.model}; XLA one-shot up to {attn.ONE_SHOT_MAX_ROWS} rows; native: "
           f"{pallas_kernels.native.status()}", flush=True)
+    report = dict(command="python scripts/bench_short_verify.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  model=args.model, context=args.context, native=pallas_kernels.native.status(),
+                  dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
     if not args.skip_layer:
-        compare(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rows, slots, reps=5,
-                log=lambda s: print(s, flush=True))
+        report["attention_per_layer"] = compare(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rows, slots, reps=5,
+                                                log=lambda s: print(s, flush=True))
     if not args.skip_steps:
-        verify_steps(model, args.context, xs, args.rounds, args.impls.split(","))
+        report["steps"] = verify_steps(model, args.context, xs, args.rounds, args.impls.split(","))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@
 // online-softmax state of `pallas_kernels.online_softmax` (normalised by `finalize` in Python, which also adds
 // sinks); a row that sees nothing keeps m = finfo(f32).min, l = 0, o = 0.
 //
-// Tiling: one (batch, kv head) is a tile; its T * G query rows run against one key block of BLOCK keys at a time
-// (scores of one row: BLOCK floats, in L1; the block's keys and values: in L2 while every row uses them). Blocks past
-// the last occupied slot are never read, and a block none of whose keys a row can see is skipped for that row after
-// reading only its positions (the per-block min/max position).
+// Tiling: one (batch, kv head) is a tile; its T * G query rows run against one key block of BLOCK keys at a time, in
+// chunks of up to 16 rows: each group of 8 keys is loaded into L1 once and scored against every row of the chunk,
+// and each 8 KiB of values is accumulated into every row before the next (register-blocked across rows, never
+// across keys). The chunk's scores (16 x BLOCK floats) and the block stay in L2. Blocks past the last occupied slot
+// are never read, and a block none of whose keys a row can see is skipped for that row after reading only its
+// positions (the per-block min/max position).
 //
 // Exactness: every row runs the same code path with a fixed arithmetic order -- scores as 8-lane FMA partials over D
 // reduced by a fixed tree, blocks in slot order, p.V in slot order -- and nothing a row computes depends on any other
@@ -28,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -49,7 +52,9 @@ constexpr float kMInit = -FLT_MAX;  // online_softmax.M_INIT
 
 // ------------------------------------------------------------------------------------------------ a small pool
 // XLA:CPU runs this custom call on one of its threads; the pool adds workers for the duration of a call. A call that
-// finds the pool busy (another attention running concurrently) runs on its own thread.
+// finds the pool busy (another attention running concurrently) runs on its own thread. The caller takes units itself
+// and waits only for units a worker has claimed, never for a worker to wake up: on a loaded machine a sleeping
+// worker can take a scheduler time slice (milliseconds) to run, longer than a whole decode-step attention.
 class Pool {
  public:
   static Pool& get() {
@@ -64,22 +69,34 @@ class Pool {
       for (int64_t u = 0; u < units; ++u) fn(u);
       return;
     }
+    // One job per call, shared with the workers that pick it up: a worker that wakes after the call returned finds
+    // every unit taken and never touches `fn` (which lives only for the call).
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->units = units;
     {
       std::lock_guard<std::mutex> g(mu_);
-      fn_ = &fn;
-      units_ = units;
-      next_.store(0);
-      active_ = static_cast<int>(workers_.size());
+      job_ = job;
       ++generation_;
     }
     cv_.notify_all();
-    Drain();
-    std::unique_lock<std::mutex> g(mu_);
-    done_cv_.wait(g, [&] { return active_ == 0; });
-    fn_ = nullptr;
+    Drain(*job);
+    std::unique_lock<std::mutex> g(job->mu);
+    job->cv.wait(g, [&] { return job->done == job->units; });
+    std::lock_guard<std::mutex> g2(mu_);
+    if (job_ == job) job_.reset();
   }
 
  private:
+  struct Job {
+    const std::function<void(int64_t)>* fn = nullptr;
+    int64_t units = 0;
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;  // under mu
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+
   static int ThreadCount() {
     if (const char* env = std::getenv("KVJAX_NATIVE_THREADS")) {
       int n = std::atoi(env);
@@ -94,31 +111,32 @@ class Pool {
     for (auto& w : workers_) w.detach();
   }
 
-  void Drain() {
-    for (int64_t u; (u = next_.fetch_add(1)) < units_;) (*fn_)(u);
+  static void Drain(Job& job) {
+    for (int64_t u; (u = job.next.fetch_add(1)) < job.units;) {
+      (*job.fn)(u);
+      std::lock_guard<std::mutex> g(job.mu);
+      if (++job.done == job.units) job.cv.notify_all();
+    }
   }
 
   void Loop() {
     uint64_t seen = 0;
     for (;;) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> g(mu_);
         cv_.wait(g, [&] { return generation_ != seen; });
         seen = generation_;
+        job = job_;
       }
-      Drain();
-      std::lock_guard<std::mutex> g(mu_);
-      if (--active_ == 0) done_cv_.notify_one();
+      if (job) Drain(*job);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex run_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t units_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_ = 0;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> job_;
   uint64_t generation_ = 0;
 };
 
@@ -304,8 +322,162 @@ inline void AccumulatePV(float* o, float alpha, const float* p, const float* vb,
   }
 }
 
+#if KVJAX_AVX2
+// ------------------------------------------------------------------------------------------------ row-blocked path
+// D = 8 * C with C known at compile time: accumulators stay in registers (a runtime C made the compiler keep them on
+// the stack, and every FMA waited on a store-to-load round trip). The arithmetic of each row is exactly `Scores` and
+// `AccumulatePV`'s -- the same lane assignment, FMA order, hadd tree and slot order -- only the loop nest differs:
+// a group of keys is loaded into L1 once and every row of the chunk is scored against it (and its values
+// accumulated into every row) before the next group, instead of each row streaming the whole block from L2.
+
+// Scores of one row against 8 keys (kb: 8 rows of D floats) -> s[0..8), as `Scores`' vector loop.
+template <int C>
+inline void Score8(const float* q, const float* kb, __m256 sc, float* s) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) {
+    const float* kr = kb + i * 8 * C;
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
+    for (int c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+    a[i] = acc;
+  }
+  __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  __m256 los = _mm256_permute2f128_ps(h0123, h4567, 0x20), his = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_add_ps(los, his), sc));
+}
+
+// One key's score (a block's tail), as `Scores`' tail loop.
+template <int C>
+inline float Score1(const float* q, const float* kr, float scale) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
+  for (int c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+  return Hsum8(acc) * scale;
+}
+
+// o = alpha * o (when first) then o += p[j] * v[j] for j in [0, n) in slot order, for one row, as `AccumulatePV`.
+template <int C>
+inline void PV1(float* o, bool first, float alpha, const float* p, const float* vb, int64_t n) {
+  __m256 acc[C];
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (int c = 0; c < C; ++c) {
+    acc[c] = _mm256_loadu_ps(o + 8 * c);
+    if (first) acc[c] = _mm256_mul_ps(va, acc[c]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + j * 8 * C + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+}
+
+// Two rows at once (independent chains hide the FMA latency when C is small); each row's arithmetic is PV1's.
+template <int C>
+inline void PV2(float* o0, float* o1, bool first, float alpha0, float alpha1, const float* p0, const float* p1,
+                const float* vb, int64_t n) {
+  __m256 a0[C], a1[C];
+  const __m256 va0 = _mm256_set1_ps(alpha0), va1 = _mm256_set1_ps(alpha1);
+  for (int c = 0; c < C; ++c) {
+    a0[c] = _mm256_loadu_ps(o0 + 8 * c);
+    a1[c] = _mm256_loadu_ps(o1 + 8 * c);
+    if (first) {
+      a0[c] = _mm256_mul_ps(va0, a0[c]);
+      a1[c] = _mm256_mul_ps(va1, a1[c]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj0 = _mm256_set1_ps(p0[j]), pj1 = _mm256_set1_ps(p1[j]);
+    for (int c = 0; c < C; ++c) {
+      __m256 vv = _mm256_loadu_ps(vb + j * 8 * C + 8 * c);
+      __asm__("" : "+x"(vv));  // keep the values in a register: folded into each row's FMA they were loaded twice
+      a0[c] = _mm256_fmadd_ps(pj0, vv, a0[c]);
+      a1[c] = _mm256_fmadd_ps(pj1, vv, a1[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm256_storeu_ps(o0 + 8 * c, a0[c]);
+    _mm256_storeu_ps(o1 + 8 * c, a1[c]);
+  }
+}
+#endif
+
+// Row-state of one work unit: un-normalised output, running max and sum, visible position range, query pointer.
+struct Rows {
+  std::vector<float> o, m, l;
+  std::vector<int32_t> lo, hi;
+  std::vector<const float*> q;
+};
+
+// Rows scored together against one key group: their scores (CHUNK x block floats) stay in L2 with the block.
+constexpr int64_t kChunk = 16;
+
+// One key block for the rows `act[0..na)` (all of which can see part of it). C > 0: the row-blocked vector path for
+// D = 8 * C; C == 0: the generic per-row path (any D, scalar or vector). Both give each row the arithmetic of
+// `Scores` / `MaskMax` / `ExpSum` / `AccumulatePV`, so the two paths agree bit for bit on the same D.
+template <int C>
+void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, const float* kb, const float* vb,
+               const int32_t* kp, int64_t n, float* s) {
+  const int64_t D = P.D, BK = P.block;
+  bool any[kChunk];
+  float alpha[kChunk];
+  // 1. scores: a group of 8 keys (in L1) against every row of the chunk
+#if KVJAX_AVX2
+  if constexpr (C > 0) {
+    const __m256 sc = _mm256_set1_ps(P.scale);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      for (int64_t a = 0; a < na; ++a) Score8<C>(R.q[act[a]], kb + j * D, sc, s + a * BK + j);
+    for (; j < n; ++j)
+      for (int64_t a = 0; a < na; ++a) s[a * BK + j] = Score1<C>(R.q[act[a]], kb + j * D, P.scale);
+  } else
+#endif
+  {
+    for (int64_t a = 0; a < na; ++a) Scores(R.q[act[a]], kb, n, D, P.scale, s + a * BK);
+  }
+  // 2. per row: mask, block max, exponentials and their sum (the online-softmax update)
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t r = act[a];
+    float* sr = s + a * BK;
+    const float mb = MaskMax(sr, kp, n, R.lo[r], R.hi[r], &any[a]);
+    if (!any[a]) continue;
+    const float m_new = std::max(R.m[r], mb);
+    alpha[a] = Exp1(R.m[r] - m_new);  // finite - finite: m >= M_INIT, m_new a real score
+    const float psum = ExpSum(sr, n, m_new);
+    R.l[r] = alpha[a] * R.l[r] + psum;
+    R.m[r] = m_new;
+  }
+  // 3. p.V: a sub-block of values (in L1) accumulated into every row, in slot order per row
+#if KVJAX_AVX2
+  if constexpr (C > 0) {
+    constexpr int64_t SUB = std::max(8, 2048 / (8 * C));  // 8 KiB of values
+    int64_t live[kChunk], nl = 0;
+    for (int64_t a = 0; a < na; ++a)
+      if (any[a]) live[nl++] = a;
+    for (int64_t j0 = 0; j0 < n; j0 += SUB) {
+      const int64_t m = std::min(SUB, n - j0);
+      const bool first = j0 == 0;
+      int64_t i = 0;
+      if (C <= 4)
+        for (; i + 2 <= nl; i += 2) {
+          const int64_t a0 = live[i], a1 = live[i + 1];
+          PV2<C>(R.o.data() + act[a0] * D, R.o.data() + act[a1] * D, first, alpha[a0], alpha[a1],
+                 s + a0 * BK + j0, s + a1 * BK + j0, vb + j0 * D, m);
+        }
+      for (; i < nl; ++i) {
+        const int64_t a = live[i];
+        PV1<C>(R.o.data() + act[a] * D, first, alpha[a], s + a * BK + j0, vb + j0 * D, m);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t a = 0; a < na; ++a)
+    if (any[a]) AccumulatePV(R.o.data() + act[a] * D, alpha[a], s + a * BK, vb, n, D);
+}
+
 // One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g).
-void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
+template <int C>
+void RunUnitT(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   const int64_t S = P.S, D = P.D, G = P.G, BK = P.block;
   const float* kt = P.k + (b * P.K + h) * S * D;
   const float* vt = P.v + (b * P.K + h) * S * D;
@@ -329,42 +501,53 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
     bmax[i] = mx;
     if (mx >= 0) used = i + 1;
   }
-  const int64_t R = r1 - r0;
-  std::vector<float> o(R * D, 0.0f), m(R, kMInit), l(R, 0.0f), s(BK);
-  std::vector<int32_t> lo(R), hi(R);
-  std::vector<const float*> q(R);
-  for (int64_t r = 0; r < R; ++r) {
+  const int64_t NR = r1 - r0;
+  Rows R;
+  R.o.assign(NR * D, 0.0f);
+  R.m.assign(NR, kMInit);
+  R.l.assign(NR, 0.0f);
+  R.lo.resize(NR);
+  R.hi.resize(NR);
+  R.q.resize(NR);
+  for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
     const int32_t qp = P.q_pos[b * P.T + t];
-    hi[r] = qp;
+    R.hi[r] = qp;
     int64_t low = P.window > 0 ? static_cast<int64_t>(qp) - P.window + 1 : 0;
-    lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
-    q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
+    R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
+    R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
+  std::vector<float> s(kChunk * BK);
+  std::vector<int64_t> act(NR);
   for (int64_t i = 0; i < used; ++i) {
     if (bmax[i] < 0) continue;
     const int64_t j0 = i * BK, n = std::min(BK, S - j0);
-    for (int64_t r = 0; r < R; ++r) {
-      if (hi[r] < lo[r] || bmin[i] > hi[r] || bmax[i] < lo[r]) continue;  // nothing this row can see
-      Scores(q[r], kt + j0 * D, n, D, P.scale, s.data());
-      bool any;
-      const float mb = MaskMax(s.data(), kp + j0, n, lo[r], hi[r], &any);
-      if (!any) continue;
-      const float m_new = std::max(m[r], mb);
-      const float alpha = Exp1(m[r] - m_new);  // finite - finite: m >= M_INIT, m_new a real score
-      const float psum = ExpSum(s.data(), n, m_new);
-      l[r] = alpha * l[r] + psum;
-      m[r] = m_new;
-      AccumulatePV(o.data() + r * D, alpha, s.data(), vt + j0 * D, n, D);
-    }
+    int64_t na = 0;
+    for (int64_t r = 0; r < NR; ++r)  // rows that can see something in this block
+      if (!(R.hi[r] < R.lo[r] || bmin[i] > R.hi[r] || bmax[i] < R.lo[r])) act[na++] = r;
+    for (int64_t a0 = 0; a0 < na; a0 += kChunk)
+      BlockRows<C>(P, R, act.data() + a0, std::min(kChunk, na - a0), kt + j0 * D, vt + j0 * D, kp + j0, n, s.data());
   }
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
     const int64_t qi = (b * P.T + t) * P.N + h * G + g;
-    std::memcpy(P.o + qi * D, o.data() + r * D, D * sizeof(float));
-    P.m[qi] = m[r];
-    P.l[qi] = l[r];
+    std::memcpy(P.o + qi * D, R.o.data() + r * D, D * sizeof(float));
+    P.m[qi] = R.m[r];
+    P.l[qi] = R.l[r];
   }
+}
+
+void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
+#if KVJAX_AVX2
+  switch (P.D) {
+    case 16: return RunUnitT<2>(P, b, h, r0, r1);
+    case 32: return RunUnitT<4>(P, b, h, r0, r1);
+    case 64: return RunUnitT<8>(P, b, h, r0, r1);
+    case 128: return RunUnitT<16>(P, b, h, r0, r1);
+    default: break;
+  }
+#endif
+  RunUnitT<0>(P, b, h, r0, r1);
 }
 
 ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,

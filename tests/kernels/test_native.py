@@ -139,3 +139,52 @@ def test_gradients_are_the_references():
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N,K,D,window", [(8, 4, 32, None), (9, 3, 64, None), (9, 3, 64, 150), (4, 2, 24, 90)])
+def test_every_row_alone_equals_the_row_in_a_blocked_call(N, K, D, window):
+    """The row-blocked kernel scores up to 16 rows against each key group it loads once; for random inputs every row
+    of a 21-row call (more rows per KV head than one chunk, ragged lengths, a window that hides whole blocks from
+    some rows, per-head holes) equals that row computed alone, bit for bit. D = 64 with 9 query / 3 KV heads is
+    SmolLM2-135M's shape (3 KV heads: the two threads split each head's rows); D = 24 takes the generic path."""
+    G = N // K
+    q, k, v, q_pos, k_pos = _case(21, G, K=K, D=D, per_head=True, seed=11 + D)
+    full = np.asarray(_native(q, k, v, q_pos, k_pos, window))
+    np.testing.assert_allclose(full, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)), **TOL)
+    for t in range(q.shape[1]):
+        alone = np.asarray(_native(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], k_pos, window))
+        assert np.array_equal(alone[:, 0], full[:, t]), t
+
+
+@pytest.mark.parametrize("T", [1, 9, 33])
+def test_smollm2_shape_matches_reference(T):
+    """D = 64, 9 query heads over 3 KV heads (SmolLM2-135M), blocks of `default_block(64)` keys, one sequence."""
+    q, k, v, q_pos, k_pos = _case(T, 3, K=3, D=64, S=1100, lengths=(1030,), seed=T)
+    got = _native(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+
+
+def test_vericache_equals_reference_with_native_for_every_shape(hf_model_dir, monkeypatch):
+    """The exactness contract through the model with the native kernel taking every attention (the dispatch limits
+    lifted; on their own the test's small caches would stay on XLA): VeriCache's tokens and logits equal
+    `reference_decode`'s bit for bit, adaptive draft lengths (3-, 5- and 9-row verifies) included."""
+    from kvjax import generate_vericache, load, reference_decode
+    from kvjax.models import attention as attn
+
+    monkeypatch.setattr(attn, "NATIVE_MIN_SLOTS", 0)
+    monkeypatch.setattr(attn, "NATIVE_MAX_ROWS", None)
+    picked = []
+    wins = attn.native_wins
+    monkeypatch.setattr(attn, "native_wins", lambda q, k: picked.append(wins(q, k)) or picked[-1])
+    jax.clear_caches()  # traces made under the shipped limits must not be reused
+    try:
+        m = load(hf_model_dir("llama")[1], attention="native")
+        prompt = np.random.default_rng(4).integers(0, 97, 64).astype(np.int32)
+        ref_ = reference_decode(m, prompt, 24, draft_len=4, max_draft=8, return_logits=True)
+        g = generate_vericache(m, prompt, 24, compressor="snapkv", draft_len=4, adaptive=(2, 4, 8),
+                               compressor_kw={"obs_window": 8}, ignore_eos=True, return_logits=True)
+        np.testing.assert_array_equal(g.tokens, ref_.tokens)
+        np.testing.assert_array_equal(g.logits, ref_.logits)
+        assert picked and all(picked)  # every traced attention went native
+    finally:
+        jax.clear_caches()
