@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
 
+import bench_common  # noqa: E402
 import pallas_kernels  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
 
@@ -127,7 +129,7 @@ def main(argv=None):
 
         meta = dict(command="python scripts/bench_attention_peers.py " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:]),
-                    native=pallas_kernels.native.status(), cpu=_cpu_model(), machine=platform.machine(),
+                    native=bench_common.native_status(), cpu=_cpu_model(), machine=platform.machine(),
                     dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, records=recs), f, indent=1)

@@ -102,6 +102,17 @@ def tokens_and_stats(result):
     return np.asarray(result), result.stats
 
 
+def native_status() -> dict:
+    """The native CPU attention kernel's status for a results file: the built library by file name only (results
+    never record a path of the machine that made them)."""
+    import pallas_kernels.native
+
+    st = dict(pallas_kernels.native.status())
+    if st.get("library"):
+        st["library"] = os.path.basename(st["library"])
+    return st
+
+
 def best_of(fn, reps: int) -> float:
     """Best wall time in seconds of `reps` calls of fn (which returns something to block on)."""
     best = float("inf")

@@ -30,6 +30,7 @@ import pallas_kernels  # noqa: E402
 from kvjax.decode import steps, vericache  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
+import bench_common  # noqa: E402
 from bench_common import best_of  # noqa: E402
 from bench_attention_peers import compare  # noqa: E402
 
@@ -114,7 +115,7 @@ def main(argv=None):
     print(f"[bench] {args.model}; XLA one-shot up to {attn.ONE_SHOT_MAX_ROWS} rows; native: "
           f"{pallas_kernels.native.status()}", flush=True)
     report = dict(command="python scripts/bench_short_verify.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  model=args.model, context=args.context, native=pallas_kernels.native.status(),
+                  model=args.model, context=args.context, native=bench_common.native_status(),
                   dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
     if not args.skip_layer:
         report["attention_per_layer"] = compare(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rows, slots, reps=5,

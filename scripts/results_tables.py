@@ -326,11 +326,12 @@ def render_attention_peers(items) -> str:
 
 
 def _step_times(doc) -> dict:
-    """The flat {'<impl> decode step' | '<impl> verify x=<n>': ms} mapping anywhere in a bench_short_verify file."""
+    """The {'<impl> decode step' | '<impl> verify x=<n>': ms} mapping anywhere in a bench_short_verify file."""
     pat = re.compile(r"\S+ (decode step|verify x=\d+)")
     if isinstance(doc, dict):
         if doc and all(isinstance(k, str) and pat.fullmatch(k) for k in doc):
-            return doc
+            # each timing is ms, or a record {"ms": ..., "runs_ms": [...], "decode_steps": ...}
+            return {k: (v["ms"] if isinstance(v, dict) else v) for k, v in doc.items()}
         for v in doc.values():
             found = _step_times(v)
             if found:

@@ -45,6 +45,16 @@ def test_names_follow_the_rule_and_are_unique():
     assert all(r.table in rt.RENDER for r in rr.RESULTS), "every table needs a render function"
 
 
+def test_results_name_no_path_of_the_machine_that_made_them():
+    """Committed results record file names, never an absolute path (a home directory, a temporary folder)."""
+    absolute = re.compile(r'"(/(root|home|tmp|work|Users|var|private)/[^"]*)"')
+    for name in sorted(os.listdir(os.path.join(REPO, rr.RESULTS_DIR))):
+        if name.endswith(".json"):
+            with open(os.path.join(os.path.join(REPO, rr.RESULTS_DIR), name), encoding="utf-8") as f:
+                found = absolute.search(f.read())
+            assert found is None, f"{name}: {found.group(1)}"
+
+
 def test_every_file_in_docs_results_belongs_to_a_registered_result():
     owned = {f"{r.name}.json" for r in rr.RESULTS} | {f"{r.name}.png" for r in rr.RESULTS if r.png}
     files = sorted(os.listdir(os.path.join(REPO, rr.RESULTS_DIR)))
