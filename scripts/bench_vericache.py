@@ -38,7 +38,7 @@ from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model, tokens_and_stats  # noqa: E402
+from bench_common import STATIC_DRAFTERS, heldout_prompts, load_bench_model, run_meta, tokens_and_stats  # noqa: E402
 
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
@@ -118,7 +118,7 @@ def main(argv=None):
     xs_adapt = DEFAULT_SET
     xmax = max(x, *xs_adapt, 8)
     P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
-    prompts, source = bench_prompts(model, P, args.prompts, args.seed)
+    prompts, source = heldout_prompts(model, model_name, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
     if not args.no_baselines:  # the MagicDec- and QuantSpec-style baselines draft with these two
@@ -245,7 +245,7 @@ def main(argv=None):
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
                            prompt_source=source, model=model_name,
-                           full_ms_per_token=1000 / full_tps),
+                           full_ms_per_token=1000 / full_tps, **run_meta()),
                plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
                                        margins_at_first_disagreement=plain_margins),
                records=records)
