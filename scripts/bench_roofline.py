@@ -8,7 +8,10 @@ For each context length, on one held-out prompt of the checkpoint's corpus:
   - the compression of the prompt into each draft cache, as a fraction of the prompt's prefill time;
   - peers on the same checkpoint and prompt: Hugging Face transformers (PyTorch CPU, eager `generate`: prefill
     tokens/s, decode ms/token) and llama.cpp's `llama-bench` (`--llama-bench PATH` or on PATH) on a GGUF f32 export
-    of the checkpoint (`gguf_export.py`) — otherwise skipped with the reason printed.
+    of the checkpoint (`gguf_export.py`) — otherwise skipped with the reason printed. For a GGUF model (a named one,
+    e.g. `--model smollm2-135m-instruct`, or a .gguf file) transformers reads the GGUF itself and llama.cpp's f32
+    peer runs the file with every tensor dequantised (the weights kvjax computes with); `--gguf FILE` adds the file
+    as shipped (e.g. Q4_1).
 Prints a table, writes JSON (one record per step and context) and a plot of ms/token vs context (kvjax decode, its
 floor, the peers).
 
