@@ -73,7 +73,7 @@ def load_bench_model(checkpoint: str, random: bool):
     """(model, name): the trained checkpoint, or a random model of its shape when asked or when it is missing."""
     from kvjax import api
 
-    if not random and os.path.exists(os.path.join(checkpoint, "config.json")):
+    if not random and (os.path.exists(os.path.join(checkpoint, "config.json")) or is_model_source(checkpoint)):
         return api.load(checkpoint), model_label(checkpoint)
     if not random:
         print(f"[bench] no trained checkpoint in {checkpoint}: using a random model of its shape", flush=True)
@@ -132,3 +132,130 @@ def parse_contexts(ap, value: str, minimum: int) -> list[int]:
     if not contexts or min(contexts) < minimum:
         ap.error(f"--context lengths must be at least {minimum} tokens, got {value!r}")
     return contexts
+
+
+def is_model_source(name: str) -> bool:
+    """A name kvjax.load reads besides a Hugging Face directory: a named model (`kvjax models`) or a GGUF file or
+    directory (a benchmark must never fall back to a random model for these)."""
+    from kvjax.formats import named
+    from kvjax.formats.gguf_model import gguf_path
+
+    return named.is_named(name) or (os.path.exists(name) and gguf_path(name) is not None)
+
+
+def gguf_source(name: str) -> str | None:
+    """The GGUF file a named model or GGUF path stands for (a named model is fetched when not cached); None for a
+    Hugging Face directory."""
+    from kvjax.formats import named
+    from kvjax.formats.gguf_model import gguf_path
+
+    if named.is_named(name):
+        name = named.fetch(name)
+    return gguf_path(name) if os.path.exists(name) else None
+
+
+# Files of the `transformers` distribution whose licence header is dated this year or later were written after
+# SmolLM2's training data was gathered (its release: November 2024), so they are held out from it.
+RECENT_SOURCE_SINCE = 2025
+
+
+def recent_source_files(since: int = RECENT_SOURCE_SINCE) -> tuple[str, ...]:
+    """Sorted RECORD paths of the installed `transformers` `modeling_*.py` files whose copyright header names a year
+    >= `since` (the haystack of `kvjax.data.exact_tasks`, narrowed to text newer than a pretrained model's data)."""
+    import re
+
+    from kvjax.data import exact_tasks
+
+    dist = exact_tasks.HAYSTACK_DISTRIBUTION
+    out = []
+    for f in exact_tasks.haystack_files(dist):
+        head = exact_tasks._read(dist, f)[:2000]
+        m = re.search(r"Copyright (?:\(c\) )?(\d{4})", head)
+        if m and int(m.group(1)) >= since:
+            out.append(f)
+    if not out:
+        raise ValueError(f"no {dist} modeling file is dated {since} or later")
+    return tuple(out)
+
+
+def recent_source_prompts(tokenizer, n_tokens: int, count: int, seed: int) -> list[np.ndarray]:
+    """`count` prompts of exactly `n_tokens` tokens of `recent_source_files()`: prompt i starts at the top of the
+    i-th file of a seeded permutation and runs on through the next files of that order."""
+    from kvjax.data import exact_tasks
+
+    files = recent_source_files()
+    order = np.random.default_rng(seed).permutation(len(files))
+    out = []
+    for i in range(count):
+        ids, j = [], i
+        while len(ids) < n_tokens:
+            text = exact_tasks._read(exact_tasks.HAYSTACK_DISTRIBUTION, files[order[j % len(files)]])
+            ids += list(tokenizer.encode(text + "\n\n"))
+            j += 1
+        out.append(np.asarray(ids[:n_tokens], np.int32))
+    return out
+
+
+def heldout_prompts(model, model_name: str, n_tokens: int, count: int, seed: int):
+    """(prompts, source) held out from what the model trained on: the bundled checkpoint's held-out corpus split
+    (`bench_prompts`) for kvjax's own checkpoints and random models; for any other model (a pretrained one, e.g.
+    SmolLM2, which saw the standard library) source code newer than its data (`recent_source_prompts`)."""
+    if model.tokenizer is None or model_name == "random-init" or model_name.startswith("checkpoints/"):
+        return bench_prompts(model, n_tokens, count, seed)
+    from kvjax.data import exact_tasks
+
+    since = RECENT_SOURCE_SINCE
+    return (recent_source_prompts(model.tokenizer, n_tokens, count, seed),
+            f"{exact_tasks.HAYSTACK_DISTRIBUTION}=={exact_tasks.haystack_version()} modeling_*.py dated >= {since} "
+            f"(newer than the model's training data)")
+
+
+def run_meta(argv=None) -> dict:
+    """What every result file records about its run: the exact command line (paths of this machine replaced by their
+    last component), the CPU (`lscpu` model name and L3), the CPU count, the JAX backend and the git commit."""
+    import platform
+    import subprocess
+
+    args = list(sys.argv if argv is None else argv)
+    args[0] = os.path.relpath(os.path.abspath(args[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    clean = [os.path.basename(a) if os.path.isabs(a) else a for a in args]
+    cpu = {}
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "L3 cache"):
+                cpu[key.strip()] = value.strip()
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    return dict(command="python " + " ".join(clean), cpu_model=cpu.get("Model name", platform.processor() or None),
+                l3_cache=cpu.get("L3 cache"), cpus=os.cpu_count(), backend=jax.default_backend(), commit=commit)
+
+
+def add_model_args(ap, *, context: str, compressors: str, new_tokens: int, new_tokens_help: str,
+                   json_default: str | None) -> None:
+    """The options the one-model benchmarks share: --model, --context (comma-separated lengths), --compressors
+    (comma-separated drafters), --new-tokens, --seed, --json. `parse_model_args` checks them."""
+    ap.add_argument("--model", default="checkpoints/kvjax-code-tiny",
+                    help="what kvjax.load reads: a model directory, a GGUF file or a named model")
+    ap.add_argument("--context", default=context, help="comma-separated prompt lengths (tokens)")
+    ap.add_argument("--compressors", default=compressors, help="comma-separated drafters")
+    ap.add_argument("--new-tokens", type=int, default=new_tokens, help=new_tokens_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=json_default, help="write the results here (and a .png next to it)")
+
+
+def parse_model_args(ap, args, known, min_context: int) -> tuple[list[int], list[str]]:
+    """(contexts, compressors) from `add_model_args`' options; `ap.error` names a bad length or unknown drafter."""
+    contexts = parse_contexts(ap, args.context, min_context)
+    compressors = [c for c in args.compressors.split(",") if c]
+    unknown = [c for c in compressors if c not in known]
+    if unknown:
+        ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    if args.new_tokens < 1:
+        ap.error(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    return contexts, compressors

@@ -41,7 +41,8 @@ from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
-from bench_common import STATIC_DRAFTERS, model_label, parse_contexts, tokens_and_stats  # noqa: E402
+from bench_common import (STATIC_DRAFTERS, add_model_args, model_label, parse_model_args, run_meta,  # noqa: E402
+                          tokens_and_stats)
 
 # a 4x budget for every drafter (dropquant, which halves and quantizes, is left out: its budget is not 4x)
 DRAFTERS = {**{k: v for k, v in STATIC_DRAFTERS.items() if k != "dropquant"}, "refresh": dict(ratio=4.0),
@@ -133,24 +134,17 @@ def summarise(ctx, tasks, runs, tok, M):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="checkpoints/kvjax-code-tiny", help="a model directory kvjax.load reads")
-    ap.add_argument("--context", default="4096", help="comma-separated prompt lengths (tokens, at most)")
+    add_model_args(ap, context="4096", compressors=",".join(DRAFTERS), new_tokens=24,
+                   new_tokens_help="tokens decoded per task (the answer must fit)",
+                   json_default="bench_exact_tasks.json")
     ap.add_argument("--tasks", type=int, default=10, help="tasks per context (kinds alternate, depths cycle)")
     ap.add_argument("--kinds", default="value", help="task kinds, comma-separated (signature: SmolLM2-135M copies "
                                                       "a 4-parameter list from 4K back in 1 of 4 tries, full cache)")
     ap.add_argument("--depths", default=",".join(str(d) for d in exact_tasks.DEFAULT_DEPTHS))
-    ap.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per task (the answer must fit)")
     ap.add_argument("--draft-len", type=int, default=8)
-    ap.add_argument("--compressors", default=",".join(DRAFTERS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="bench_exact_tasks.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
-    contexts = parse_contexts(ap, args.context, 256)
-    names = [c for c in args.compressors.split(",") if c]
-    unknown = [c for c in names if c not in DRAFTERS]
-    if unknown:
-        ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(DRAFTERS)})")
+    contexts, names = parse_model_args(ap, args, DRAFTERS, 256)
     depths = tuple(float(d) for d in args.depths.split(",") if d)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or any(k not in exact_tasks.KINDS for k in kinds):
@@ -182,7 +176,7 @@ def main(argv=None):
     out = dict(config=dict(model=model_label(args.model), contexts=contexts, tasks=args.tasks, new_tokens=M,
                            draft_len=x, kinds=kinds, depths=depths, seed=args.seed, budget="4x",
                            haystack=f"{exact_tasks.HAYSTACK_DISTRIBUTION}=={exact_tasks.haystack_version()}",
-                           backend=jax.default_backend()),
+                           **run_meta()),
                records=records, tasks=per_task)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:

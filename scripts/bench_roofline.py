@@ -8,7 +8,10 @@ For each context length, on one held-out prompt of the checkpoint's corpus:
   - the compression of the prompt into each draft cache, as a fraction of the prompt's prefill time;
   - peers on the same checkpoint and prompt: Hugging Face transformers (PyTorch CPU, eager `generate`: prefill
     tokens/s, decode ms/token) and llama.cpp's `llama-bench` (`--llama-bench PATH` or on PATH) on a GGUF f32 export
-    of the checkpoint (`gguf_export.py`) — otherwise skipped with the reason printed.
+    of the checkpoint (`gguf_export.py`) — otherwise skipped with the reason printed. For a GGUF model (a named one,
+    e.g. `--model smollm2-135m-instruct`, or a .gguf file) transformers reads the GGUF itself and llama.cpp's f32
+    peer runs the file with every tensor dequantised (the weights kvjax computes with); `--gguf FILE` adds the file
+    as shipped (e.g. Q4_1).
 Prints a table, writes JSON (one record per step and context) and a plot of ms/token vs context (kvjax decode, its
 floor, the peers).
 
@@ -38,7 +41,8 @@ from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from bench_attention_peers import compare as attention_peers  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, best_of, load_bench_model, parse_contexts  # noqa: E402
+from bench_common import (STATIC_DRAFTERS, add_model_args, best_of, gguf_source, heldout_prompts,  # noqa: E402
+                          load_bench_model, parse_model_args, run_meta)
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
@@ -175,7 +179,10 @@ def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_r
         print(f"  transformers: skipped ({e})")
         return None
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    src = gguf_source(checkpoint)  # transformers reads a GGUF file itself, dequantising it to f32 as kvjax does
+    where = dict(pretrained_model_name_or_path=os.path.dirname(src), gguf_file=os.path.basename(src)) if src else \
+        dict(pretrained_model_name_or_path=checkpoint)
+    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     ids = torch.tensor(prompt[None, :].astype(np.int64))
     L = prompt.size
     with torch.no_grad():
@@ -222,11 +229,13 @@ def bench_llama_cpp(checkpoint, prompt, rows, floor, wbytes, kv_row_bytes, llama
         print(f"  llama.cpp: skipped: {reason}")
         rows.append(dict(context=L, step="llama.cpp", skipped=reason))
         return None
-    from gguf_export import export
+    from gguf_export import export, export_dequantised
 
     tmp = tempfile.mkdtemp(prefix="kvjax-gguf-")
     try:
-        path = export(checkpoint, os.path.join(tmp, "model-f32.gguf"))
+        src = gguf_source(checkpoint)  # a GGUF model: the same file with its tensors dequantised (kvjax's weights)
+        path = (export_dequantised(src, os.path.join(tmp, "model-f32.gguf")) if src
+                else export(checkpoint, os.path.join(tmp, "model-f32.gguf")))
         got = _llama_bench(binary, path, "llama.cpp", L, rows, floor, wbytes, kv_row_bytes, new_tokens)
         for extra in gguf_files:  # the same model in other weight formats (e.g. the Q4_1 file it ships as)
             label = f"llama.cpp {_gguf_weight_type(extra)}"
@@ -324,31 +333,24 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="checkpoints/kvjax-code-tiny")
+    add_model_args(ap, context="8192,32768", compressors=",".join(COMPRESSORS), new_tokens=64,
+                   new_tokens_help="tokens the peers generate", json_default=None)
     ap.add_argument("--random", action="store_true", help="a random-weight model of the checkpoint's shape")
-    ap.add_argument("--context", default="8192,32768", help="comma-separated prompt lengths")
-    ap.add_argument("--compressors", default=",".join(COMPRESSORS), help="comma-separated draft makers")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens the transformers peer generates")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     ap.add_argument("--llama-bench", default=None, help="a llama-bench binary (default: one on PATH)")
     ap.add_argument("--gguf", action="append", default=[], help="llama.cpp also runs this GGUF file of the same model "
                                                                 "(repeatable; e.g. the Q4_1 file it ships as)")
-    ap.add_argument("--json", default=None, help="write the records here (and a .png next to it)")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    contexts = parse_contexts(ap, args.context, 300)
-    compressors = [c for c in args.compressors.split(",") if c]
-    unknown = [c for c in compressors if c not in COMPRESSORS]
-    if unknown:
-        ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(COMPRESSORS)})")
+    contexts, compressors = parse_model_args(ap, args, COMPRESSORS, 300)
 
     model, name = load_bench_model(args.model, args.random)
     floor = Floor()
-    rows = []
+    rows, sources = [], {}
     print(f"[bench] {name}, backend {jax.default_backend()}, {os.cpu_count()} CPUs", flush=True)
     for L in contexts:
-        prompt, source = bench_prompts(model, L, 1, args.seed)
+        prompt, source = heldout_prompts(model, name, L, 1, args.seed)
         prompt = prompt[0]
+        sources[L] = source
         print(f"context {L} ({source}):", flush=True)
         _, decode_s = bench_kvjax(model, prompt, compressors, floor, rows)
         if not args.no_peers and name != "random-init":
@@ -365,11 +367,12 @@ def main(argv=None):
                                  args.llama_bench, args.new_tokens, args.gguf)
             if lc:
                 prefill_s = next(r["ms"] / 1e3 for r in rows if r["context"] == L and r["step"] == "prefill")
-                rows.append(dict(context=L, step="kvjax vs llama.cpp",
-                                 decode_speedup=lc["llama.cpp decode"]["ms"] / 1e3 / decode_s,
-                                 prefill_speedup=lc["llama.cpp prefill (flash attention)"]["ms"] / 1e3 / prefill_s))
-                print(f"  kvjax vs llama.cpp: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
-                      f"{rows[-1]['prefill_speedup']:.2f}x (flash attention on)", flush=True)
+                for label in sorted({k[:-len(" decode")] for k in lc if k.endswith(" decode")}):
+                    rows.append(dict(context=L, step=f"kvjax vs {label}",
+                                     decode_speedup=lc[f"{label} decode"]["ms"] / 1e3 / decode_s,
+                                     prefill_speedup=lc[f"{label} prefill (flash attention)"]["ms"] / 1e3 / prefill_s))
+                    print(f"  kvjax vs {label}: decode {rows[-1]['decode_speedup']:.2f}x, prefill "
+                          f"{rows[-1]['prefill_speedup']:.2f}x (flash attention on)", flush=True)
     if not args.no_peers:  # one attention layer: native kernel vs XLA vs PyTorch's fused attention, interleaved
         cfg = model.config
         print("attention per layer (native / XLA / PyTorch SDPA, 2 threads):", flush=True)
@@ -384,9 +387,10 @@ def main(argv=None):
             if "ratio_best_bw" in r:
                 print(f"  {r['context']:6d} {r['step']:28s} {r['ratio_best_bw']:6.2f}")
     if args.json:
-        meta = dict(best_reduction_gb_per_s=best_gbs, model=name, backend=jax.default_backend(), cpus=os.cpu_count(), contexts=contexts,
-                    compressors=compressors, decode_steps=DECODE_STEPS,
-                    floor="one jitted jnp.sum over the same number of f32 bytes, best of 5, same run")
+        meta = dict(best_reduction_gb_per_s=best_gbs, model=name, contexts=contexts, prompt_source=sources,
+                    compressors=compressors, decode_steps=DECODE_STEPS, peer_new_tokens=args.new_tokens,
+                    weights="f32 (dequantised from the GGUF)" if gguf_source(args.model) else "as stored",
+                    floor="one jitted jnp.sum over the same number of f32 bytes, best of 5, same run", **run_meta())
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(meta=meta, records=rows), f, indent=1)

@@ -39,7 +39,7 @@ from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.scheduling import requests  # noqa: E402
 from kvjax.scheduling import vericache_scheduler as sch  # noqa: E402
 from kvjax.scheduling.full_scheduler import FullCacheScheduler  # noqa: E402
-from bench_common import bench_prompts, load_bench_model  # noqa: E402
+from bench_common import heldout_prompts, load_bench_model, run_meta  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
                  "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128),
@@ -134,7 +134,7 @@ def main(argv=None):
     model, model_name = load_bench_model(args.checkpoint, args.random)
     R, M, x = args.requests, args.new_tokens, args.draft_len
     P = args.context - M - x - 2  # prompt + new tokens + one verify block fill the --context bucket
-    prompts, source = bench_prompts(model, P, R, args.seed)
+    prompts, source = heldout_prompts(model, model_name, P, R, args.seed)
     ckw = dict(COMPRESSOR_KW[args.compressor])
     if args.ratio is not None:
         ckw["ratio"] = args.ratio
@@ -241,7 +241,7 @@ def main(argv=None):
                            verify_slots=args.verify_slots, stagger=args.stagger,
                            draft_chunk=args.draft_chunk, prefill_s=t_prefill,
                            devices=str(jax.devices()),
-                           repeats=args.repeats),
+                           repeats=args.repeats, **run_meta()),
                ratios=ratios, ideal_staggered=ideal, records=results)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -33,12 +33,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kvjax.arrays import tree_nbytes  # noqa: E402
 from kvjax.decode import draft as draft_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
-from bench_common import STATIC_DRAFTERS, bench_prompts, load_bench_model, tokens_and_stats  # noqa: E402
+from bench_common import STATIC_DRAFTERS, heldout_prompts, load_bench_model, run_meta, tokens_and_stats  # noqa: E402
 
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
@@ -118,7 +119,7 @@ def main(argv=None):
     xs_adapt = DEFAULT_SET
     xmax = max(x, *xs_adapt, 8)
     P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
-    prompts, source = bench_prompts(model, P, args.prompts, args.seed)
+    prompts, source = heldout_prompts(model, model_name, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
     if not args.no_baselines:  # the MagicDec- and QuantSpec-style baselines draft with these two
@@ -239,13 +240,21 @@ def main(argv=None):
             ideal_tps = (rec["mean_accepted_per_round"] + 1) / t_round
             rec["ideal_speedup"] = ideal_tps / full_tps
             rec["achieved_fraction_of_ideal"] = rec["speedup_vs_full"] / rec["ideal_speedup"]
+            # where a round's time goes, in full-cache decode steps (the levers: a cheaper draft token needs fewer
+            # weight bytes per step, a cheaper verify a faster attention over x + 1 rows)
+            full_s = 1 / full_tps
+            rec.update(draft_token_in_decode_steps=rec["mean_draft_round_s"] / max(rec["mean_x"], 1e-9) / full_s,
+                       verify_in_decode_steps=rec["mean_verify_s"] / full_s,
+                       refresh_in_decode_steps=rec["mean_refresh_s"] / full_s,
+                       draft_cache_bytes=mean("draft_bytes"), full_prompt_cache_bytes=mean("full_prompt_bytes"))
         elif name.startswith("lossy"):
             rec["draft_bytes_ratio"] = None
         records.append(rec)
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
                            prompt_source=source, model=model_name,
-                           full_ms_per_token=1000 / full_tps),
+                           full_ms_per_token=1000 / full_tps, weight_bytes=tree_nbytes(model.params),
+                           **run_meta()),
                plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
                                        margins_at_first_disagreement=plain_margins),
                records=records)

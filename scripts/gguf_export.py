@@ -5,6 +5,9 @@ The tensors are the checkpoint's (names and orientation as llama.cpp's own HF co
 interleaved one); the tokenizer is the checkpoint's byte-level BPE (tokens, merges, special tokens). Only what the
 benchmarks need: dense Llama layers (no biases, no q/k norms, no sliding windows); anything else is refused.
 
+A GGUF file given as the checkpoint (e.g. a quantized model as shipped) is written again with every tensor
+dequantised to f32 (`export_dequantised`), metadata unchanged.
+
 Usage: python scripts/gguf_export.py checkpoints/kvjax-code-tiny kvjax-code-tiny-f32.gguf
 """
 
@@ -76,6 +79,31 @@ def export(checkpoint: str, path: str) -> str:
     return path
 
 
+def export_dequantised(source: str, path: str) -> str:
+    """Write the GGUF file `source` (e.g. a Q4_1 model as shipped) again as `path` with every tensor dequantised to
+    f32 by the `gguf` package — the values kvjax computes with — and the metadata copied unchanged (file type: all
+    f32), so llama.cpp runs the same weights in the same format as kvjax. Returns `path`."""
+    import gguf
+
+    r = gguf.GGUFReader(source)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(path, arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # the writer writes the header fields and the architecture itself
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def _add_tokenizer(w, checkpoint: str, vocab_size: int) -> None:
     import gguf
 
@@ -106,4 +134,5 @@ def _add_tokenizer(w, checkpoint: str, vocab_size: int) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: gguf_export.py CHECKPOINT_DIR OUT.gguf")
-    print(export(sys.argv[1], sys.argv[2]))
+    src = sys.argv[1]
+    print(export_dequantised(src, sys.argv[2]) if src.endswith(".gguf") else export(src, sys.argv[2]))

@@ -42,3 +42,84 @@ def test_bench_exact_tasks_runs_and_vericache_answers_as_full_cache(tmp_path):
     from kvjax import plots
 
     assert plots.plot_files([str(out)], str(png))[0] == "accuracy" and png.stat().st_size > 0
+
+
+def _bench_common():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench_common
+
+    return bench_common
+
+
+def test_a_named_model_is_loaded_never_replaced_by_a_random_one():
+    """`--model smollm2-135m-instruct` once fell through to a random model of the tiny shape (no config.json)."""
+    bc = _bench_common()
+    assert bc.is_model_source("smollm2-135m-instruct")
+    assert not bc.is_model_source(os.path.join(ROOT, "checkpoints", "kvjax-code-tiny"))
+
+
+def test_prompts_for_a_pretrained_model_come_from_source_newer_than_its_data():
+    """The bundled checkpoint keeps its held-out corpus split; any other model gets transformers source dated 2025
+    or later (the standard library is in every pretrained model's data), exactly n tokens each."""
+    import types
+
+    import numpy as np
+
+    bc = _bench_common()
+    files = bc.recent_source_files()
+    assert files and all(f.endswith(".py") and "modeling_" in f for f in files)
+
+    class Chars:  # one token per character: enough to check lengths and the text's origin
+        def encode(self, text):
+            return [ord(c) % 4096 for c in text]
+
+    model = types.SimpleNamespace(tokenizer=Chars())
+    prompts, source = bc.heldout_prompts(model, "smollm2-135m-instruct", 3000, 2, seed=0)
+    assert "dated >= 2025" in source and [p.size for p in prompts] == [3000, 3000]
+    assert not np.array_equal(prompts[0], prompts[1])
+    text = "".join(chr(int(t)) for t in prompts[0][:400])
+    assert "Copyright 2025" in text or "Copyright 2026" in text
+
+
+def test_run_meta_names_the_command_and_cpu_but_no_machine_path():
+    bc = _bench_common()
+    meta = bc.run_meta([os.path.join(ROOT, "scripts", "bench_roofline.py"), "--gguf", "/some/dir/model.Q4_1.gguf"])
+    assert meta["command"] == "python scripts/bench_roofline.py --gguf model.Q4_1.gguf"
+    assert {"cpu_model", "l3_cache", "cpus", "backend", "commit"} <= set(meta)
+
+
+def test_gguf_export_dequantised_keeps_metadata_and_the_dequantised_values(tmp_path):
+    """llama.cpp's f32 peer runs the shipped GGUF's tensors dequantised (the values kvjax computes with), its
+    metadata (tokenizer, rope, ...) unchanged."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from gguf_export import export_dequantised
+
+    src, out = str(tmp_path / "q8.gguf"), str(tmp_path / "f32.gguf")
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_block_count(2)
+    w.add_rope_freq_base(1e5)
+    w.add_token_list(["a", "b", "<s>"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    export_dequantised(src, out)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    for key in ("llama.block_count", "llama.rope.freq_base", "tokenizer.ggml.tokens", "general.architecture"):
+        assert a.fields[key].contents() == b.fields[key].contents()
+    assert b.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    got = {t.name: t for t in b.tensors}
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in b.tensors)
+    q = next(t for t in a.tensors if t.name == "blk.0.ffn_up.weight")
+    want = gguf.quants.dequantize(q.data, q.tensor_type)
+    assert np.array_equal(np.asarray(got["blk.0.ffn_up.weight"].data), want)
+    assert not np.array_equal(want, weight)  # Q8_0 is lossy: the export holds what the codes say
+    assert np.array_equal(np.asarray(got["output_norm.weight"].data), np.arange(64, dtype=np.float32))
