@@ -95,8 +95,8 @@ def _vericache(name, label, args, minutes, pending=False):
 
 
 SMOLLM2 = ("--model", "smollm2-135m-instruct")
-REAL_DRAFTERS = ("--new-tokens", "64", "--prompts", "8", "--compressors",
-                 "streaming,snapkv,kvzip,kivi4,kivi2,refresh,refresh_kivi4", "--offload", "none", "--no-baselines")
+REAL_DRAFTERS = ("--compressors", "streaming,snapkv,kivi4,refresh,refresh_kivi4", "--offload", "none",
+                 "--no-baselines")
 
 RESULTS: tuple[Result, ...] = (
     Result("exact_tasks_smollm2", "exact_tasks", "SmolLM2, 4K", "scripts/bench_exact_tasks.py",
@@ -112,18 +112,22 @@ RESULTS: tuple[Result, ...] = (
             "--llama-bench", "{llama_bench}", "--gguf", "{gguf}", "--json", f"{RESULTS_DIR}/roofline_smollm2_4k.json"),
            25, png=True),
     Result("roofline_smollm2_8k", "roofline", "SmolLM2, 8K", "scripts/bench_roofline.py",
-           (*SMOLLM2, "--context", "8192", "--compressors", "streaming,refresh", "--new-tokens", "32",
+           (*SMOLLM2, "--context", "8192", "--compressors", "refresh", "--new-tokens", "32",
             "--llama-bench", "{llama_bench}", "--gguf", "{gguf}", "--json", f"{RESULTS_DIR}/roofline_smollm2_8k.json"),
-           45, png=True, pending=True),
+           25, png=True),
     Result("roofline_tiny_8k", "roofline", "tiny, 8K", "scripts/bench_roofline.py",
            ("--context", "8192", "--llama-bench", "{llama_bench}", "--json", f"{RESULTS_DIR}/roofline_tiny_8k.json"),
            10, png=True),
     Result("roofline_tiny_32k", "roofline", "tiny, 32K", "scripts/bench_roofline.py",
            ("--context", "32768", "--compressors", "streaming,snapkv,refresh,kivi4,refresh_kivi4",
             "--llama-bench", "{llama_bench}", "--json", f"{RESULTS_DIR}/roofline_tiny_32k.json"), 15, png=True),
-    _vericache("vericache_smollm2_2k", "SmolLM2, 2K", (*SMOLLM2, "--context", "2048", *REAL_DRAFTERS), 40, True),
-    _vericache("vericache_smollm2_4k", "SmolLM2, 4K", (*SMOLLM2, "--context", "4096", *REAL_DRAFTERS), 60, True),
-    _vericache("vericache_smollm2_8k", "SmolLM2, 8K", (*SMOLLM2, "--context", "8192", *REAL_DRAFTERS), 90, True),
+    _vericache("vericache_smollm2_2k", "SmolLM2, 2K", (*SMOLLM2, "--context", "2048", "--new-tokens", "32",
+                                                      "--draft-len", "16", "--prompts", "8", *REAL_DRAFTERS), 12),
+    _vericache("vericache_smollm2_4k", "SmolLM2, 4K", (*SMOLLM2, "--context", "4096", "--new-tokens", "32",
+                                                      "--draft-len", "16", "--prompts", "8", *REAL_DRAFTERS), 18, True),
+    _vericache("vericache_smollm2_8k", "SmolLM2, 8K", (*SMOLLM2, "--context", "8192", "--new-tokens", "64",
+                                                      "--prompts", "1", *REAL_DRAFTERS[:-1], "--adaptive", "refresh"),
+               15),
     _vericache("vericache_tiny_8k", "tiny, 8K",
                ("--context", "8192", "--new-tokens", "128", "--prompts", "8", "--compressors",
                 "refresh_kivi2,refresh_kivi4,refresh,kivi4,snapkv,streaming", "--offload", "none",
@@ -146,7 +150,7 @@ RESULTS: tuple[Result, ...] = (
                     "--no-baselines"), 30), table="vericache_exactness"),
     Result("scheduler_smollm2_6x4k", "scheduler", "SmolLM2, 6 x 4K", "scripts/bench_scheduler.py",
            (*SMOLLM2, "--requests", "6", "--context", "4096", "--new-tokens", "64", "--compressor", "refresh",
-            "--json", f"{RESULTS_DIR}/scheduler_smollm2_6x4k.json"), 40, png=True, pending=True),
+            "--draft-len", "16", "--json", f"{RESULTS_DIR}/scheduler_smollm2_6x4k.json"), 15, png=True),
     Result("scheduler_tiny_8x16k", "scheduler", "tiny, 8 x 16K", "scripts/bench_scheduler.py",
            ("--requests", "8", "--context", "16384", "--new-tokens", "128", "--compressor", "refresh",
             "--json", f"{RESULTS_DIR}/scheduler_tiny_8x16k.json"), 15, png=True),

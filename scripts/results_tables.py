@@ -190,6 +190,9 @@ def _roofline_label(step: str) -> str:
 def _roofline_cell(r: dict) -> str:
     if "skipped" in r:
         return "skipped"
+    if "native_ms" in r:  # attention per layer, the kernel beside XLA and PyTorch's fused attention
+        return (f"native {num(r['native_ms'])} / XLA {num(r.get('xla_ms'))} / PyTorch SDPA "
+                f"{num(r.get('torch_sdpa_ms'))} ms")
     if "decode_speedup" in r:
         return f"decode {ratio(r['decode_speedup'])}; prefill {ratio(r.get('prefill_speedup'))}"
     if r.get("per") == "prompt":
