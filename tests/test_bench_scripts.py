@@ -23,6 +23,7 @@ def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
     assert all(x["identical_fraction"] == 1.0 and x["within_budget"] for x in records)
 
 
+@pytest.mark.slow  # CI time; the task set is checked in tests/data/test_exact_tasks.py, VeriCache == full everywhere
 def test_bench_exact_tasks_runs_and_vericache_answers_as_full_cache(tmp_path):
     """One tiny task on the bundled checkpoint: every contender reported, VeriCache identical to the reference
     (the script itself stops with an error otherwise), and `kvjax plot` draws the result."""

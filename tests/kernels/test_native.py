@@ -164,6 +164,7 @@ def test_smollm2_shape_matches_reference(T):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
 
 
+@pytest.mark.slow  # CI time; every f32 attention on CPU is native now, so tests/decode/test_vericache.py runs it
 def test_vericache_equals_reference_with_native_for_every_shape(hf_model_dir, monkeypatch):
     """The exactness contract through the model with the native kernel taking every attention (the dispatch limits
     lifted; on their own the test's small caches would stay on XLA): VeriCache's tokens and logits equal

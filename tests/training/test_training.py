@@ -23,6 +23,7 @@ def toy_config():
                              head_dim=8)
 
 
+@pytest.mark.slow  # CI time; training makes the bundled checkpoint, serving never runs it
 def test_training_loss_matches_the_decode_forward():
     cfg = toy_config()
     params = llama.init_params(cfg, jax.random.PRNGKey(0))
@@ -115,6 +116,7 @@ def test_restore_without_state_names_the_folder(tmp_path):
         train_state.restore_state(str(tmp_path), {})
 
 
+@pytest.mark.slow  # CI time; training makes the bundled checkpoint, serving never runs it
 def test_blocked_causal_attention_equals_dense_with_gradients():
     from kvjax.training.forward import blocked_causal_attention, causal_attention
 
