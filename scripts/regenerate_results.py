@@ -124,7 +124,7 @@ RESULTS: tuple[Result, ...] = (
     _vericache("vericache_smollm2_2k", "SmolLM2, 2K", (*SMOLLM2, "--context", "2048", "--new-tokens", "32",
                                                       "--draft-len", "16", "--prompts", "8", *REAL_DRAFTERS), 12),
     _vericache("vericache_smollm2_4k", "SmolLM2, 4K", (*SMOLLM2, "--context", "4096", "--new-tokens", "32",
-                                                      "--draft-len", "16", "--prompts", "8", *REAL_DRAFTERS), 18, True),
+                                                      "--draft-len", "16", "--prompts", "8", *REAL_DRAFTERS), 12),
     _vericache("vericache_smollm2_8k", "SmolLM2, 8K", (*SMOLLM2, "--context", "8192", "--new-tokens", "64",
                                                       "--prompts", "1", *REAL_DRAFTERS[:-1], "--adaptive", "refresh"),
                15),
