@@ -127,25 +127,11 @@ def main(argv=None):
     if args.json:
         import platform
 
-        meta = dict(command="python scripts/bench_attention_peers.py " + " ".join(argv if argv is not None
-                                                                                  else sys.argv[1:]),
-                    native=bench_common.native_status(), cpu=_cpu_model(), machine=platform.machine(),
+        meta = dict(bench_common.run_meta([__file__, *(sys.argv[1:] if argv is None else argv)]),
+                    native=bench_common.native_status(), machine=platform.machine(),
                     dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, records=recs), f, indent=1)
-
-
-def _cpu_model() -> str:
-    """lscpu's model name (Linux) or the platform's processor string."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -114,8 +114,8 @@ def main(argv=None):
     cfg = model.config
     print(f"[bench] {args.model}; XLA one-shot up to {attn.ONE_SHOT_MAX_ROWS} rows; native: "
           f"{pallas_kernels.native.status()}", flush=True)
-    report = dict(command="python scripts/bench_short_verify.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  model=args.model, context=args.context, native=bench_common.native_status(),
+    report = dict(bench_common.run_meta([__file__, *(sys.argv[1:] if argv is None else argv)]), model=args.model,
+                  context=args.context, native=bench_common.native_status(),
                   dispatch=dict(native_max_rows=attn.NATIVE_MAX_ROWS, native_min_slots=attn.NATIVE_MIN_SLOTS))
     if not args.skip_layer:
         report["attention_per_layer"] = compare(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rows, slots, reps=5,
