@@ -13,8 +13,8 @@
 Progress bars (tqdm) go to stderr on a terminal, and never run while generated text streams to the same terminal;
 when stderr is not a terminal, each phase prints one line there instead. Ctrl-C exits with status 130.
 Compiled programs are kept in JAX's persistent cache (`$KVJAX_CACHE_DIR/xla`; `KVJAX_COMPILE_CACHE=0` turns it off),
-so a second run with the same shapes does not compile again. `kvjax --version` prints the version. Errors print as one line (`kvjax: error: ...`) with a non-zero exit
-status, never a traceback (set KVJAX_DEBUG=1 to see one).
+so a second run with the same shapes does not compile again. `kvjax --version` prints the version. Errors print as
+one line (`kvjax: error: ...`) with a non-zero exit status, never a traceback (set KVJAX_DEBUG=1 to see one).
 """
 
 from __future__ import annotations
