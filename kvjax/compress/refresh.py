@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache
 from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV, SparseKV
-from kvjax.compress.base import Compressor, gather_tokens, round_up
+from kvjax.compress.base import Compressor, gather_blocks, gather_tokens, round_up
 from kvjax.models.attention_scores import block_mass  # noqa: F401 - part of this drafter's interface
 
 
@@ -104,7 +104,7 @@ def hidden_slots(bulk_pos: jax.Array, selected: jax.Array, block: int) -> jax.Ar
 def selected_parts(form, pos: jax.Array, bulk: QuantizedBulk | None, block: int) -> tuple:
     """A layer's prompt parts for the selection `pos`: its blocks at full precision, and the quantized bulk (if the
     draft has one) with those blocks hidden, so no token is attended twice."""
-    part = SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
+    part = SparseKV(k=gather_blocks(form.k, pos, block), v=gather_blocks(form.v, pos, block), pos=pos)
     if bulk is None:
         return (part,)
     return part, dataclasses.replace(bulk, hidden=hidden_slots(bulk.q.pos, pos, block))

@@ -11,7 +11,7 @@ from kvjax import load
 from kvjax.cache.draft import QuantizedKV, RecentKV, pack_codes, unpack_codes
 from kvjax.models.llama.cache import init_cache
 from kvjax.compress import StreamingLLM, make_compressor
-from kvjax.compress.base import sinks_and_recent, topk_positions
+from kvjax.compress.base import gather_blocks, gather_tokens, sinks_and_recent, topk_positions
 from kvjax.compress.snapkv import avg_pool
 from kvjax.decode import steps
 from kvjax.models.llama.draft import draft_forward
@@ -55,6 +55,22 @@ def test_topk_positions_sorted_valid_per_head():
     assert pos.tolist() == [[[0, 2, 4], [2, 3, 4]]]  # slot 5 is beyond the length
     pos = topk_positions(sc, jnp.asarray([2]), 3)
     assert pos.tolist() == [[[0, 1, -1], [0, 1, -1]]]
+
+
+@pytest.mark.parametrize("slots", [128, 100])  # 100: slots not a multiple of the block -> the per-row gather
+def test_gather_blocks_copies_exactly_what_gather_tokens_does(slots):
+    """Whole-block selections (one block cut short by the end, one wholly masked) give the same array as the
+    per-row gather: the same values, zeros where masked."""
+    B, K, D, block = 2, 3, 8, 16
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, K, slots, D)), jnp.float32)
+    blocks = np.array([[[0, 2, 5], [1, 3, 4], [0, 1, 2]], [[2, 4, 5], [0, 5, 6], [3, 4, 6]]])
+    pos = (blocks[..., None] * block + np.arange(block)).astype(np.int32)
+    pos = np.where(pos < 90, pos, -1)  # an end at position 90: block 5 cut short, block 6 gone
+    pos = jnp.asarray(pos.reshape(B, K, -1))
+    got = gather_blocks(x, pos, block)
+    assert got.shape == (B, K, 3 * block, D)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(gather_tokens(x, pos)))
+    assert not np.asarray(got)[np.asarray(pos) < 0].any()
 
 
 def test_avg_pool_same_length_kernel5():
