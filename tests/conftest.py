@@ -11,39 +11,31 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py
 
 
-SHARED_CACHE_ENV = "KVJAX_TEST_XLA_CACHE"
-
-
 def pytest_configure(config):
-    """A compilation cache on disk for this run (removed at its end), shared by the test modules, both xdist workers
-    and the subprocesses they start (the environment variables carry it).
+    """A compilation cache on disk for this run (removed at its end), shared by the test modules and the subprocesses
+    they start (the environment variables carry it).
 
     Modules build the same tiny models and compile the same programs; after `_release_compiled_programs` drops them
-    from memory, a later module -- in either worker -- loads an executable from disk instead of compiling it again (a
-    cache hit still fills the jitted function's own cache, so the tests that count compiled programs count the same).
-    The process that creates the directory (the xdist controller, or pytest itself without xdist) owns and removes
-    it; workers inherit it through the environment. A size limit turns on JAX's file lock, so a worker never reads an
-    entry the other is still writing.
+    from memory, a later module reloads an executable from disk instead of compiling it again (a cache hit still
+    fills the jitted function's own cache, so the tests that count compiled programs count the same). One directory
+    per xdist worker, so no two processes write the same files.
     """
     import shutil
     import tempfile
 
     if os.environ.get("KVJAX_TEST_COMPILE_CACHE") == "0":
         return
-    path = os.environ.get(SHARED_CACHE_ENV)
-    if not path or not os.path.isdir(path):
-        path = tempfile.mkdtemp(prefix="kvjax-test-xla-cache-")
-        os.environ[SHARED_CACHE_ENV] = path
-        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = tempfile.mkdtemp(prefix=f"kvjax-test-xla-cache-{worker}-")
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
     settings = {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 << 30)}
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     os.environ.update(settings)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", path)  # jax may already have read the environment
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 @pytest.fixture(autouse=True, scope="module")
