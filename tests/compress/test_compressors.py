@@ -73,6 +73,33 @@ def test_gather_blocks_copies_exactly_what_gather_tokens_does(slots):
     assert not np.asarray(got)[np.asarray(pos) < 0].any()
 
 
+def test_block_mass_is_the_softmax_mass_per_block():
+    """Refresh's scores against their definition: each query row's softmax over the keys it can see, summed over the
+    rows and each KV head's query group, per block of keys; masked and empty slots get none."""
+    from kvjax.models.attention_scores import block_mass
+
+    B, R, N, K, S, D, block = 2, 2, 6, 3, 40, 8, 16
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((B, R, N, D)).astype(np.float32)
+    k = rng.standard_normal((B, K, S, D)).astype(np.float32)
+    k_pos = np.where(np.arange(S) < 35, np.arange(S), -1)[None].repeat(B, 0).astype(np.int32)
+    q_pos = np.array([[20, 34], [33, 34]], np.int32)
+    got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), jnp.asarray(q_pos), jnp.asarray(k_pos), block))
+    want = np.zeros((B, K, 3))
+    G = N // K
+    for b in range(B):
+        for h in range(K):
+            for r in range(R):
+                for g in range(G):
+                    s = k[b, h] @ q[b, r, h * G + g] / np.sqrt(D)
+                    vis = (k_pos[b] >= 0) & (k_pos[b] <= q_pos[b, r])
+                    p = np.where(vis, np.exp(s - s[vis].max()), 0.0)
+                    p /= p.sum()
+                    want[b, h] += np.add.reduceat(np.pad(p, (0, 8)), [0, 16, 32])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.sum(-1), R * G, rtol=1e-5)
+
+
 def test_avg_pool_same_length_kernel5():
     x = jnp.zeros((1, 9)).at[0, 4].set(5.0)
     np.testing.assert_allclose(avg_pool(x, 5)[0], [0, 0, 1, 1, 1, 1, 1, 0, 0])
