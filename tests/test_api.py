@@ -45,7 +45,9 @@ def test_sampling_filters_and_seeds(model):
         np.testing.assert_array_equal(kvjax.generate(model, ids, 24, temperature=2.0, seed=3, **kw), greedy)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.9, top_p=0.8), dict(temperature=1.2, top_k=5, min_p=0.05)])
+@pytest.mark.parametrize("kw", [pytest.param(dict(temperature=0.9, top_p=0.8), marks=pytest.mark.slow),  # CI time:
+                                # top-p exactness also in tests/decode/test_sampling.py
+                                dict(temperature=1.2, top_k=5, min_p=0.05)])
 def test_vericache_exact_under_every_sampling_filter(model, kw):
     ids = _ids(60, seed=1)
     ref = kvjax.reference_decode(model, ids, 20, draft_len=4, seed=5, **kw)

@@ -68,6 +68,7 @@ def test_sampled_vericache_equals_sampled_full_cache(llama, temperature):
     assert not np.array_equal(ref, greedy)  # the noise is really used
 
 
+@pytest.mark.slow  # CI time: test_rejection_sampling_preserves_target_distribution runs the same path end to end
 def test_rejection_sampling_end_to_end_runs(llama):
     prompt = np.random.default_rng(5).integers(0, 97, 64).astype(np.int32)
     out, st = vc.generate_vericache(llama, prompt, 16, compressor="kivi4", draft_len=4, temperature=1.0,

@@ -62,6 +62,7 @@ def test_variant_config_and_indexer_ties_match_transformers():
         assert np.abs(got - hf_logits(hf, ids, lowest_index_ties=True)).max() < 1e-4
 
 
+@pytest.mark.slow  # CI time (25 s): V4's generate is checked against full decoding in test_vericache_deepseek_v4
 def test_api_logits_and_generate(hybrid):
     hf, model = hybrid
     ids = np.random.RandomState(5).randint(0, model.config.vocab_size, size=21)

@@ -316,9 +316,9 @@ def _run(min_ops: int, examples: int, steps: int) -> tuple[int, float]:
 
 
 def test_stateful_decode_ci():
-    """The CI-sized run: about a thousand operations (~20 s on a 2-core machine)."""
-    ops, _ = _run(min_ops=1000, examples=14, steps=50)
-    assert ops >= 1000 and STATS["hits"] > 0
+    """The CI-sized run: about five hundred operations (~10 s on a 2-core machine; the slow run does more)."""
+    ops, _ = _run(min_ops=500, examples=7, steps=50)
+    assert ops >= 500 and STATS["hits"] > 0
 
 
 @pytest.mark.slow

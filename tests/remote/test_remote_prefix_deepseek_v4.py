@@ -34,6 +34,8 @@ def setup(tmp_path_factory):
     return model, prompt, root, store, info, ref
 
 
+@pytest.mark.slow  # CI time (33 s): the dense draft-first path runs in tests/remote/test_remote_prefix.py; here
+# the V4 state's round trip and full fetch stay in CI
 def test_draft_first_exact_with_run_ahead(setup):
     model, prompt, root, _, _, ref = setup
     link = GatedLink()
