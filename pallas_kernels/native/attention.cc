@@ -141,7 +141,7 @@ class Pool {
 };
 
 // ------------------------------------------------------------------------------------------------ exponentials
-// exp for f32: Cody-Waite range reduction and a degree-5 polynomial (the classic Cephes expf coefficients),
+// exp for f32 (x <= kExpHi): Cody-Waite range reduction and a degree-5 polynomial (the classic Cephes expf coefficients),
 // |rel err| < 2 ulp on [-87, 88]; inputs below -87.33 (and NaN) give exactly 0 (masked and underflowing scores).
 // `ExpScalar` is the same sequence of roundings one lane at a time (std::fma for each fused step, nearbyint for the
 // round-to-nearest-even), so the scalar build's exponentials equal the AVX2 build's bit for bit.
@@ -151,9 +151,7 @@ constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.33345190
                 kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
 
 inline float ExpScalar(float x) {
-  const bool in_range = x >= kExpLo;
-  x = x > kExpLo ? x : kExpLo;  // _mm256_max_ps(x, lo)
-  x = x < kExpHi ? x : kExpHi;  // _mm256_min_ps(x, hi)
+  if (!(x >= kExpLo && x <= kExpHi)) return x > kExpHi ? INFINITY : 0.0f;  // NaN: 0, as the vector form
   const float fx = std::nearbyint(x * kLog2e);
   x = std::fma(-fx, kLn2Hi, x);
   x = std::fma(-fx, kLn2Lo, x);
@@ -167,13 +165,14 @@ inline float ExpScalar(float x) {
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
   float e;
   std::memcpy(&e, &bits, sizeof e);
-  return in_range ? y * e : 0.0f;
+  return y * e;
 }
 
 #if KVJAX_AVX2
+// The kernel's arguments are s - m <= 0, so there is no upper clamp on the hot path; x > kExpHi (never passed)
+// would give garbage here where ExpScalar gives inf. Lanes below kExpLo, -inf and NaN give exactly 0.
 inline __m256 Exp8(__m256 x) {
   const __m256 in_range = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
   __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Hi), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Lo), x);
@@ -225,15 +224,28 @@ struct Rows {
 struct Scratch {
   std::vector<float> kT, s, rmax;
   std::vector<int32_t> kp, vis;
+  std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
+};
+
+// One key block: n keys (npad = n rounded up to 8), whether every slot is occupied with n == npad, and the min and
+// max occupied position.
+struct Block {
+  const float *k, *v;
+  int64_t n, npad;
+  bool dense;
+  int32_t pmin, pmax;
 };
 
 // Rows handled together against one key block (their scores stay in L2 with the block); any multiple of the row
 // tile sizes works, the result does not depend on it.
-constexpr int64_t kChunk = 48;
+constexpr int64_t kChunk = 96;
 
-// Transposes keys [0, n) of a block (kb: n x D) into kT (D x npad, zero-padded) and copies their positions.
-inline void TransposeBlock(const float* kb, const int32_t* kpos, int64_t n, int64_t D, int64_t npad, float* kT,
-                           int32_t* kp) {
+// Keys per panel: a panel of the block is transposed into kT (PK x D floats, <= 8 KiB at D <= 32) and scored against
+// every row tile of the chunk while it sits in L1.
+inline int64_t PanelKeys(int64_t D) { return D <= 32 ? 64 : 32; }
+
+// Transposes keys [0, n) (kb: n x D) into kT[d * ld + j], zero-padding columns [n, ld).
+inline void TransposePanel(const float* kb, int64_t n, int64_t D, int64_t ld, float* kT) {
   int64_t j = 0;
 #if KVJAX_AVX2
   if (D % 8 == 0) {
@@ -253,53 +265,88 @@ inline void TransposeBlock(const float* kb, const int32_t* kpos, int64_t n, int6
           __m256* x = r + 4 * h;
           const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
           const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-          float* out = kT + (d0 + 4 * h) * npad + j;
+          float* out = kT + (d0 + 4 * h) * ld + j;
           _mm256_storeu_ps(out, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
-          _mm256_storeu_ps(out + npad, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
-          _mm256_storeu_ps(out + 2 * npad, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
-          _mm256_storeu_ps(out + 3 * npad, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+          _mm256_storeu_ps(out + ld, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+          _mm256_storeu_ps(out + 2 * ld, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+          _mm256_storeu_ps(out + 3 * ld, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
         }
       }
     }
   }
 #endif
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t jj = j; jj < npad; ++jj) kT[d * npad + jj] = jj < n ? kb[jj * D + d] : 0.0f;
-  for (int64_t jj = 0; jj < npad; ++jj) kp[jj] = jj < n ? kpos[jj] : -1;
+    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? kb[jj * D + d] : 0.0f;
 }
+
+// Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
+// this block is computed (at many rows the kernel is compute-bound and would otherwise stall on each new block).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t left = 0;
+  void Step(int64_t bytes) {
+#if KVJAX_AVX2
+    for (bytes = std::min(bytes, left); bytes > 0; bytes -= 64, left -= 64, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+#else
+    (void)bytes;
+#endif
+  }
+};
 
 #if KVJAX_AVX2
 // ------------------------------------------------------------------------------------------------ AVX2 tiles
+// Tile loops are unrolled completely: an accumulator array indexed by a loop variable the compiler did not unroll
+// lives in memory, and the accumulators were stored to the stack on every step of the d loop.
+#define KVJAX_UNROLL _Pragma("GCC unroll 16")
 // Scores of R rows against V vectors of 8 keys (kt: kT at the first key), masked, stored, and folded into the rows'
 // lane maxima. Each (row, key) is ONE chain over d in order: q[0] * k[0], then fma(q[d], k[d], .) for d = 1..D-1,
 // then * scale -- no horizontal reduction, and the same arithmetic whatever R, V or the tile a row lands in.
 template <int R, int V>
-inline void ScoreTile(const float* const* q, const float* kt, int64_t npad, int64_t D, __m256 sc,
-                      const int32_t* kp, const int32_t* lo, const int32_t* hi, float* const* s, float* rmax,
-                      int32_t* vis) {
+inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, __m256 sc,
+                      const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
+                      float* rmax, int32_t* vis) {
   __m256 acc[R][V];
   {
     __m256 kv[V];
+    KVJAX_UNROLL
     for (int v = 0; v < V; ++v) kv[v] = _mm256_loadu_ps(kt + 8 * v);
+    KVJAX_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(q[r]);
+      KVJAX_UNROLL
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_mul_ps(b, kv[v]);
     }
   }
   for (int64_t d = 1; d < D; ++d) {
-    const float* kd = kt + d * npad;
+    const float* kd = kt + d * ld;
     __m256 kv[V];
+    KVJAX_UNROLL
     for (int v = 0; v < V; ++v) kv[v] = _mm256_loadu_ps(kd + 8 * v);
+    KVJAX_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(q[r] + d);
+      KVJAX_UNROLL
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(b, kv[v], acc[r][v]);
     }
   }
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  KVJAX_UNROLL
   for (int r = 0; r < R; ++r) {
-    const __m256i vlo = _mm256_set1_epi32(lo[r] - 1), vhi = _mm256_set1_epi32(hi[r] + 1);
     __m256 mx = _mm256_loadu_ps(rmax + 8 * r);
+    if (full[r]) {  // every key of the block visible to this row: masking would change nothing
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) {
+        const __m256 sv = _mm256_mul_ps(acc[r][v], sc);
+        _mm256_storeu_ps(s[r] + 8 * v, sv);
+        mx = _mm256_max_ps(mx, sv);
+      }
+      _mm256_storeu_ps(rmax + 8 * r, mx);
+      vis[r] = 1;
+      continue;
+    }
+    const __m256i vlo = _mm256_set1_epi32(lo[r] - 1), vhi = _mm256_set1_epi32(hi[r] + 1);
     int bits = 0;
+    KVJAX_UNROLL
     for (int v = 0; v < V; ++v) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + 8 * v));
       const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(p, vlo), _mm256_cmpgt_epi32(vhi, p));
@@ -316,12 +363,11 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t npad, int6
 // p = exp(s - m) over npad scores in place (masked scores, -inf, give exactly 0); returns their sum, 8 lane
 // partials in slot order then the fixed tree.
 inline float ExpSum(float* s, int64_t npad, float m) {
-  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < npad; j += 8) {
     const __m256 sv = _mm256_loadu_ps(s + j);
-    __m256 p = Exp8(_mm256_sub_ps(sv, vm));
-    p = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), p);
+    const __m256 p = Exp8(_mm256_sub_ps(sv, vm));  // masked (-inf) scores: exactly 0
     _mm256_storeu_ps(s + j, p);
     acc = _mm256_add_ps(acc, p);
   }
@@ -337,8 +383,10 @@ template <int R, int CC>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const float* vb,
                    int64_t m, int64_t D) {
   __m256 acc[R][CC];
+  KVJAX_UNROLL
   for (int r = 0; r < R; ++r) {
     const __m256 va = _mm256_set1_ps(alpha[r]);
+    KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
       acc[r][c] = _mm256_loadu_ps(o[r] + 8 * c);
       if (first) acc[r][c] = _mm256_mul_ps(va, acc[r][c]);
@@ -346,23 +394,30 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
   }
   for (int64_t j = 0; j < m; ++j) {
     __m256 vv[CC];
+    KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
       vv[c] = _mm256_loadu_ps(vb + j * D + 8 * c);
       __asm__("" : "+x"(vv[c]));  // one load per value vector, shared by the R rows (not folded into each FMA)
     }
+    KVJAX_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      KVJAX_UNROLL
       for (int c = 0; c < CC; ++c) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
     }
   }
+  KVJAX_UNROLL
   for (int r = 0; r < R; ++r)
+    KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) _mm256_storeu_ps(o[r] + 8 * c, acc[r][c]);
 }
 
-// Scores of rows act[a0 .. a0 + R) against the key vectors [v0, v1) (v1 - v0 a multiple of V).
+// Scores of rows act[a0 .. a0 + R) against the key vectors [v0, v1) of the block (v1 - v0 a multiple of V); the
+// panel in W.kT starts at key vector p0 and has row stride ld.
+// (Not inlined: in one function with the rest of the block's work the compiler spilled the accumulators.)
 template <int R, int V>
-inline void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
-                      Scratch& W, int64_t npad, __m256 sc) {
+__attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
+                      Scratch& W, int64_t p0, int64_t ld, __m256 sc) {
   const float* q[R];
   int32_t lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
@@ -374,27 +429,28 @@ inline void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int6
   for (int64_t v = v0; v < v1; v += V) {
     float* s[R];
     for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
-    ScoreTile<R, V>(q, W.kT.data() + 8 * v, npad, P.D, sc, W.kp.data() + 8 * v, lo, hi, s,
-                    W.rmax.data() + 8 * a0, W.vis.data() + a0);
+    ScoreTile<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
+                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0);
   }
 }
 
-// Row tile -> key vectors per tile: R * V <= 12 accumulators, plus V key registers and a broadcast.
+// Row tile -> key vectors per tile: R * V <= 12 accumulators, plus V key registers and a broadcast (4 divides a
+// panel's vectors).
 template <int R>
-constexpr int kScoreV = R >= 4 ? 2 : (R >= 2 ? 4 : 8);
+constexpr int kScoreV = R >= 4 ? 2 : 4;
 
 template <int R>
 inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
-                       Scratch& W, int64_t npad, __m256 sc) {
+                       Scratch& W, int64_t ld, __m256 sc) {
   constexpr int V = kScoreV<R>;
   const int64_t vfull = v0 + (v1 - v0) / V * V;
-  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, npad, sc);
-  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, npad, sc);  // a ragged last block
+  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, v0, ld, sc);
+  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, v0, ld, sc);  // a ragged last block
 }
 
 // p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.
 template <int R>
-inline void PVRows(const Problem& P, Rows& R_, const int64_t* act, const int64_t* live, int64_t i0, Scratch& W,
+__attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t* act, const int64_t* live, int64_t i0, Scratch& W,
                    const float* alpha, const float* vb, int64_t j0, int64_t m, bool first) {
   const int64_t D = P.D, C = D / 8;
   float* o[R];
@@ -456,32 +512,45 @@ constexpr int64_t kRowTile = 6;
 // One key block for the rows act[0..na) of a chunk (all of which can see part of it); W.kT / W.kp hold the block.
 // Every row gets the same arithmetic whatever na: scores as above, lane maxima, exp and the lane-ordered sum over
 // the padded block, p.V in slot order. The scalar build performs the same roundings in the same order.
-void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const float* vb, int64_t n,
-               int64_t npad) {
-  const int64_t D = P.D, BK = P.block;
+void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const Block& blk,
+               Prefetch& next_k, Prefetch& next_v) {
+  const int64_t D = P.D, BK = P.block, n = blk.n, npad = blk.npad;
+  const float* vb = blk.v;
   float alpha[kChunk];
   bool any[kChunk];
   std::fill(W.rmax.begin(), W.rmax.begin() + 8 * na, -INFINITY);
   std::fill(W.vis.begin(), W.vis.begin() + na, 0);
-  // 1. scores, masked, with lane maxima: a panel of 64 keys (in L1) against every row tile of the chunk
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t r = act[a];
+    W.full[a] = blk.dense && R.lo[r] <= blk.pmin && blk.pmax <= R.hi[r];
+  }
+  // 1. scores, masked, with lane maxima: a panel of keys, transposed into L1, against every row tile of the chunk
 #if KVJAX_AVX2
   const __m256 sc = _mm256_set1_ps(P.scale);
-  const int64_t nvec = npad / 8;
-  for (int64_t v0 = 0; v0 < nvec; v0 += 8) {
-    const int64_t v1 = std::min(nvec, v0 + 8);
-    for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
-      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, v0, v1, W, npad, sc);
+  const int64_t PK = PanelKeys(D), ntiles = (na + kRowTile - 1) / kRowTile;
+  for (int64_t j0 = 0; j0 < npad; j0 += PK) {
+    const int64_t ld = std::min(PK, npad - j0);
+    TransposePanel(blk.k + j0 * D, std::min(ld, n - j0), D, ld, W.kT.data());
+    const int64_t pf = (ld * D * 4 / ntiles + 63) / 64 * 64;
+    for (int64_t a0 = 0; a0 < na; a0 += kRowTile) {
+      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
+      next_k.Step(pf);
+    }
   }
 #else
+  (void)next_k;
   for (int64_t a = 0; a < na; ++a) {
     const int64_t row = act[a];
     const float* q = R.q[row];
     float* s = W.s.data() + a * BK;
     float* mx = W.rmax.data() + 8 * a;
-    for (int64_t j = 0; j < npad; ++j) {
-      const float* kt = W.kT.data() + j;
-      float acc = q[0] * kt[0];
-      for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], kt[d * npad], acc);
+    for (int64_t j = 0; j < npad; ++j) {  // keys past n score 0 (the vector path's zero padding), then masked
+      float acc = 0.0f;
+      if (j < n) {
+        const float* kr = blk.k + j * D;
+        acc = q[0] * kr[0];
+        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], kr[d], acc);
+      }
       const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
       const float sv = ok ? acc * P.scale : -INFINITY;
       W.vis[a] |= ok;
@@ -503,7 +572,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
 #else
     float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t j = 0; j < npad; ++j) {
-      s[j] = s[j] == -INFINITY ? 0.0f : ExpScalar(s[j] - m_new);
+      s[j] = ExpScalar(s[j] - m_new);  // masked (-inf) scores: exactly 0
       lanes[j % 8] += s[j];
     }
     const float psum = Reduce8(lanes);
@@ -520,9 +589,13 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const int64_t m = std::min(SUB, n - j0);
     const bool first = j0 == 0;
 #if KVJAX_AVX2
-    for (int64_t i0 = 0; i0 < nl; i0 += kRowTile)
+    const int64_t pf = (m * D * 4 / std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile) + 63) / 64 * 64;
+    for (int64_t i0 = 0; i0 < nl; i0 += kRowTile) {
       ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, j0, m, first);
+      next_v.Step(pf);
+    }
 #else
+    (void)next_v;
     for (int64_t i = 0; i < nl; ++i) {
       const int64_t a = live[i];
       float* o = R.o.data() + act[a] * D;
@@ -547,19 +620,23 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   // per block: min and max occupied position (max < 0: the block is empty); blocks past the last occupied one are
   // never read.
   std::vector<int32_t> bmin(nblocks), bmax(nblocks);
+  std::vector<uint8_t> dense(nblocks);
   int64_t used = 0;
   for (int64_t i = 0; i < nblocks; ++i) {
     int32_t mn = INT32_MAX, mx = -1;
     const int64_t j1 = std::min(S, (i + 1) * BK);
+    int64_t occupied = 0;
     for (int64_t j = i * BK; j < j1; ++j) {
       const int32_t p = kp[j];
       if (p >= 0) {
         mn = std::min(mn, p);
         mx = std::max(mx, p);
+        ++occupied;
       }
     }
     bmin[i] = mn;
     bmax[i] = mx;
+    dense[i] = occupied == j1 - i * BK && occupied % 8 == 0;
     if (mx >= 0) used = i + 1;
   }
   const int64_t NR = r1 - r0;
@@ -579,22 +656,37 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
   Scratch W;
-  W.kT.resize(D * BK);
+  W.kT.resize(D * PanelKeys(D));
   W.kp.resize(BK);
   W.s.resize(kChunk * BK);
   W.rmax.resize(8 * kChunk);
   W.vis.resize(kChunk);
+  W.full.resize(kChunk);
   std::vector<int64_t> act(NR);
   for (int64_t i = 0; i < used; ++i) {
     if (bmax[i] < 0) continue;
-    const int64_t j0 = i * BK, n = std::min(BK, S - j0), npad = (n + 7) / 8 * 8;
+    Block blk;
+    const int64_t j0 = i * BK;
+    blk.k = kt + j0 * D;
+    blk.v = vt + j0 * D;
+    blk.n = std::min(BK, S - j0);
+    blk.npad = (blk.n + 7) / 8 * 8;
+    blk.dense = dense[i];
+    blk.pmin = bmin[i];
+    blk.pmax = bmax[i];
     int64_t na = 0;
     for (int64_t r = 0; r < NR; ++r)  // rows that can see something in this block
       if (!(R.hi[r] < R.lo[r] || bmin[i] > R.hi[r] || bmax[i] < R.lo[r])) act[na++] = r;
     if (na == 0) continue;
-    TransposeBlock(kt + j0 * D, kp + j0, n, D, npad, W.kT.data(), W.kp.data());
+    for (int64_t j = 0; j < blk.npad; ++j) W.kp[j] = j < blk.n ? kp[j0 + j] : -1;  // -1: never visible (lo >= 0)
+    Prefetch next_k, next_v;  // the next block (its keys while scoring, its values during p.V)
+    if (i + 1 < used) {
+      const int64_t bytes = std::min(BK, S - j0 - BK) * D * 4;
+      next_k = Prefetch{reinterpret_cast<const char*>(blk.k + BK * D), bytes};
+      next_v = Prefetch{reinterpret_cast<const char*>(blk.v + BK * D), bytes};
+    }
     for (int64_t a0 = 0; a0 < na; a0 += kChunk)
-      BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, vt + j0 * D, n, npad);
+      BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, blk, next_k, next_v);
   }
   for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;

@@ -189,3 +189,29 @@ def test_vericache_equals_reference_with_native_for_every_shape(hf_model_dir, mo
         assert picked and all(picked)  # every traced attention went native
     finally:
         jax.clear_caches()
+
+
+@pytest.mark.parametrize("D,G", [(16, 1), (24, 1), (64, 3), (128, 1)])
+def test_row_results_do_not_depend_on_the_row_count(D, G):
+    """Scores come from register tiles of up to 6 rows (fewer at a chunk's end) against a transposed key panel, and
+    p.V from tiles of up to 6 rows: every row's arithmetic is one chain per (row, key) and per (row, column), so a
+    row alone, in 2, 3 or 17 rows, or among 66 gives the same bits. S = 701 leaves every D's last block ragged
+    (n % 8 != 0, its keys padded to 8 inside the kernel); D = 24 is not a multiple of the vector width."""
+    T = 66 // G
+    q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(701, 437), per_head=True, seed=D)
+    full = np.asarray(_native(q, k, v, q_pos, k_pos))
+    np.testing.assert_allclose(full, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    for count in (1, 2, 3, 17):
+        for t0 in {0, T - count, min(5, T - count)}:
+            part = np.asarray(_native(q[:, t0:t0 + count], k, v, q_pos[:, t0:t0 + count], k_pos))
+            assert np.array_equal(part, full[:, t0:t0 + count]), (count, t0)
+
+
+def test_a_windowed_row_is_masked_inside_full_blocks():
+    """Rows whose window starts inside a block and rows that see whole blocks share a call: the kernel skips the
+    position mask only for a row that sees every key of a fully occupied block; the others stay masked."""
+    q, k, v, q_pos, k_pos = _case(12, 2, K=2, D=32, S=1024, lengths=(1024, 1000), seed=21)
+    for window in (None, 300, 513):
+        got = np.asarray(_native(q, k, v, q_pos, k_pos, window))
+        np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)),
+                                   **TOL)
