@@ -280,7 +280,8 @@ inline void TransposePanel(const float* kb, int64_t n, int64_t D, int64_t ld, fl
 }
 
 // Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
-// this block is computed (at many rows the kernel is compute-bound and would otherwise stall on each new block).
+// this block is computed (measured: without it 1-2 rows per tile ran 1.3x slower, the key transposition waiting on
+// memory; at many rows the kernel is compute-bound and would stall on each new block).
 struct Prefetch {
   const char* p = nullptr;
   int64_t left = 0;
