@@ -215,3 +215,30 @@ def test_a_windowed_row_is_masked_inside_full_blocks():
         got = np.asarray(_native(q, k, v, q_pos, k_pos, window))
         np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)),
                                    **TOL)
+
+
+@pytest.mark.slow  # compiles the library a second time (~15 s)
+def test_scalar_build_equals_the_vector_build(tmp_path):
+    """The portable build (no -march=native: the scalar path, std::fma and the same exp polynomial) gives the AVX2
+    build's bits: ragged blocks, empty slots, a window, D = 24 / 32 / 64."""
+    import ctypes
+
+    if native.status().get("vector_width") != 8:
+        pytest.skip("this machine's build is the scalar one already")
+    lib = tmp_path / "scalar.so"
+    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
+    assert err is None, err
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    assert handle.kvjax_native_vector_width() == 1
+    jax.ffi.register_ffi_target("kvjax_attend_scalar_test", jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+    for T, G, D, window in [(17, 2, 32, None), (5, 3, 64, 300), (3, 2, 24, None)]:
+        q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(698, 350), per_head=True, seed=D)
+        outs = []
+        for target in (native.TARGET, "kvjax_attend_scalar_test"):
+            shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
+                      jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+            call = jax.ffi.ffi_call(target, shapes)
+            outs.append(call(q, k, v, q_pos, k_pos, window=np.int64(window or 0), scale=np.float32(D**-0.5),
+                             block=np.int64(native.default_block(D))))
+        for a, b in zip(*outs):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D, window)
