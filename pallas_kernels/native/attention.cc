@@ -253,8 +253,10 @@ struct Block {
 // tile sizes works, the result does not depend on it.
 constexpr int64_t kChunk = 96;
 
-// A tile's rows are split among threads (when its tiles do not divide among them) only from this many rows.
-constexpr int64_t kSplitMinRows = 8;
+// A tile's rows are split among threads (when its tiles do not divide among them) only from this many rows: a unit
+// costs about a + b * rows (a: reading and transposing the tile's keys, b: one row's arithmetic); for 3 tiles on 2
+// threads a split wins once rows > 2a/b, ~20-30 rows by the SmolLM2-shape timings (9 rows split ran 1.6x slower).
+constexpr int64_t kSplitMinRows = 24;
 
 // Keys per panel: a panel of the block is transposed into kT (PK x D floats, <= 8 KiB at D <= 32) and scored against
 // every row tile of the chunk while it sits in L1.
@@ -764,6 +766,7 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
   // Whole tiles when they divide among the threads (each thread streams its own keys), or when a tile has few rows
   // (memory-bound: every unit of a tile reads and transposes all its keys, so splitting its rows would read them
   // once per thread -- measured at SmolLM2's 3 KV heads, 1 row: 1.3x slower split); otherwise row ranges too.
+  // (Which thread runs a row never changes its arithmetic.)
   const int64_t chunks = (tiles % threads == 0 || rows < kSplitMinRows) ? 1 : std::min<int64_t>(threads, rows);
   const int64_t per = (rows + chunks - 1) / chunks;
   pool.Run(tiles * chunks, [&](int64_t u) {
