@@ -29,10 +29,11 @@
 // reason. The scalar build (no AVX2/FMA) performs the same roundings in the same order (std::fma, the same exp
 // polynomial), so it agrees with the vector build.
 //
-// Measured (2-core EPYC, AVX2, per layer, new / previous kernel of 8-lane partials + hadd tree, same run): 33 rows x
-// 8 query heads (4 KV heads, D = 32) over 36,864 slots 0.75x, 66 rows 0.74x, 9 rows 0.89x; SmolLM2's shape (9/3
-// heads, D = 64) 33 rows 0.74x; 1-2 rows per tile 0.97-1.04x at 36,864 slots (memory-bound) but up to 1.3-1.5x at
-// 8,192 slots and at D = 64 with 1 row per thread (the per-block key transposition is not amortised).
+// Measured (2-core EPYC Zen 3, AVX2, a shared and loaded machine; per layer, this kernel / the previous one of 8-lane
+// partials + hadd tree, interleaved in one process, best of 10-40 runs): >= 17 rows per KV head 0.61-0.88x (33 x 2
+// rows, D = 32, 36,864 slots: 15.5 vs 21.7 ms; SmolLM2's 33 x 3 rows, D = 64: 32.3 vs 47.9 ms); 1-2 rows per KV head
+// about 1.05x at 36,864 slots (memory-bound) but up to 1.2-1.5x at 8,192 slots, where the per-panel key
+// transposition is not amortised over rows.
 
 #include <algorithm>
 #include <atomic>
