@@ -9,17 +9,31 @@
 // sinks); a row that sees nothing keeps m = finfo(f32).min, l = 0, o = 0.
 //
 // Tiling: one (batch, kv head) is a tile; its T * G query rows run against one key block of BLOCK keys at a time, in
-// chunks of up to 16 rows: each group of 8 keys is loaded into L1 once and scored against every row of the chunk,
-// and each 8 KiB of values is accumulated into every row before the next (register-blocked across rows, never
-// across keys). The chunk's scores (16 x BLOCK floats) and the block stay in L2. Blocks past the last occupied slot
+// chunks of up to 96 rows. Scores are GEMM-style: a panel of 64 keys (32 at D > 32) is transposed into L1 as
+// kT[d][key] (8x8 AVX2 transposes; a ragged block's last keys padded with zeros, their scores masked), and register
+// tiles of R rows x V vectors of 8 keys (6 x 2 ... 1 x 4, <= 12 accumulators) accumulate broadcast(q[row][d]) *
+// kT[d][keys] -- no horizontal reduction -- with the mask and the per-row lane maxima fused into the tile's end (no
+// mask at all for a row that sees every key of a fully occupied block). Then per row: exp(s - m) and its sum over the
+// block; then p.V in register tiles of up to 6 rows x 2 (or 4) vectors of columns over 8 KiB sub-blocks of values,
+// each value load shared by the tile's rows. The next block's keys and values are prefetched into L2 during the
+// current block. The chunk's scores (96 x BLOCK floats) and the block stay in L2. Blocks past the last occupied slot
 // are never read, and a block none of whose keys a row can see is skipped for that row after reading only its
 // positions (the per-block min/max position).
 //
-// Exactness: every row runs the same code path with a fixed arithmetic order -- scores as 8-lane FMA partials over D
-// reduced by a fixed tree, blocks in slot order, p.V in slot order -- and nothing a row computes depends on any other
-// row. So a row's result is bit-identical whether the call holds 1 row or 33 (the verify/reference contract,
-// docs/exactness.md). Threads split the work by tiles (and, when tiles do not divide among threads, by row ranges),
-// never a row's keys, for the same reason.
+// Exactness: every (row, key) score is ONE chain over d in order -- q[0] * k[0], then fma(q[d], k[d], .) for
+// d = 1..D-1, then * scale -- whatever tile, panel or chunk the row lands in; exponentials and their sum are per row
+// (8 lane partials in slot order over the zero-padded block, then a fixed tree); p.V is one FMA chain per (row,
+// column) in slot order; blocks in slot order. Nothing a row computes depends on any other row, so its result is
+// bit-identical whether the call holds 1 row or 66 (the verify/reference contract, docs/exactness.md). Threads split
+// the work by tiles (and, when tiles do not divide among threads, by row ranges), never a row's keys, for the same
+// reason. The scalar build (no AVX2/FMA) performs the same roundings in the same order (std::fma, the same exp
+// polynomial), so it agrees with the vector build.
+//
+// Measured (2-core EPYC Zen 3, AVX2, a shared and loaded machine; per layer, this kernel / the previous one of 8-lane
+// partials + hadd tree, interleaved in one process, best of 10-40 runs): >= 17 rows per KV head 0.61-0.88x (33 x 2
+// rows, D = 32, 36,864 slots: 15.5 vs 21.7 ms; SmolLM2's 33 x 3 rows, D = 64: 32.3 vs 47.9 ms); 1-2 rows per KV head
+// about 1.05x at 36,864 slots (memory-bound) but up to 1.2-1.5x at 8,192 slots, where the per-panel key
+// transposition is not amortised over rows.
 
 #include <algorithm>
 #include <atomic>
@@ -140,46 +154,63 @@ class Pool {
   uint64_t generation_ = 0;
 };
 
-// ------------------------------------------------------------------------------------------------ vector pieces
-// The scalar reduction of 8 partials in the order of the AVX2 hadd tree below, so a key scored on its own (a block's
-// tail) is reduced exactly like a key scored in a group of 8.
-inline float Reduce8(const float* a) {
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+// ------------------------------------------------------------------------------------------------ exponentials
+// exp for f32 (x <= kExpHi): Cody-Waite range reduction and a degree-5 polynomial (the classic Cephes expf coefficients),
+// |rel err| < 2 ulp on [-87, 88]; inputs below -87.33 (and NaN) give exactly 0 (masked and underflowing scores).
+// `ExpScalar` is the same sequence of roundings one lane at a time (std::fma for each fused step, nearbyint for the
+// round-to-nearest-even), so the scalar build's exponentials equal the AVX2 build's bit for bit.
+constexpr float kExpHi = 88.3762626647949f, kExpLo = -87.3365478515625f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f, kP3 = 4.1665795894E-2f,
+                kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
+
+inline float ExpScalar(float x) {
+  if (!(x >= kExpLo && x <= kExpHi)) return x > kExpHi ? INFINITY : 0.0f;  // NaN: 0, as the vector form
+  const float fx = std::nearbyint(x * kLog2e);
+  x = std::fma(-fx, kLn2Hi, x);
+  x = std::fma(-fx, kLn2Lo, x);
+  float y = kP0;
+  y = std::fma(y, x, kP1);
+  y = std::fma(y, x, kP2);
+  y = std::fma(y, x, kP3);
+  y = std::fma(y, x, kP4);
+  y = std::fma(y, x, kP5);
+  y = std::fma(y, x * x, x + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
+  float e;
+  std::memcpy(&e, &bits, sizeof e);
+  return y * e;
 }
 
 #if KVJAX_AVX2
-// exp for f32 lanes: Cody-Waite range reduction and a degree-5 polynomial (the classic Cephes expf coefficients),
-// |rel err| < 2 ulp on [-87, 88]; inputs below -87.33 give exactly 0 (masked and underflowing scores).
+// The kernel's arguments are s - m <= 0, so there is no upper clamp on the hot path; x > kExpHi (never passed)
+// would give garbage here where ExpScalar gives inf. Lanes below kExpLo, -inf and NaN give exactly 0.
 inline __m256 Exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-  const __m256 in_range = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);  // below: exactly 0 (and -inf, NaN-free)
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 in_range = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_GE_OQ);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Hi), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP5));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), in_range);
 }
-
-inline float Exp1(float x) { return _mm256_cvtss_f32(Exp8(_mm256_set1_ps(x))); }
-
-// Sum of 8 lanes in the fixed order of Reduce8.
-inline float Hsum8(__m256 a) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, a);
-  return Reduce8(t);
-}
-#else
-inline float Exp1(float x) { return std::exp(x); }
 #endif
+
+// Sum of 8 lane partials in a fixed tree order (both builds).
+inline float Reduce8(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+// Max of 8 lane maxima in a fixed order (both builds; std::max's comparison, so NaN and -0 fall the same way).
+inline float Max8(const float* a) {
+  float mx = -INFINITY;
+  for (int i = 0; i < 8; ++i) mx = std::max(mx, a[i]);
+  return mx;
+}
 
 // ------------------------------------------------------------------------------------------------ the problem
 struct Problem {
@@ -193,214 +224,6 @@ struct Problem {
   int64_t block;
 };
 
-// Scores of one query row against keys [0, n) of a block: s[j] = scale * <q, k_j>, each as 8-lane partials over D
-// (lane i sums d = i, i + 8, ...) reduced by the fixed tree. D % 8 == 0 on the vector path.
-inline void Scores(const float* q, const float* kb, int64_t n, int64_t D, float scale, float* s) {
-#if KVJAX_AVX2
-  if (D % 8 == 0 && D <= 256) {
-    const int64_t C = D / 8;
-    __m256 qv[32];
-    for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
-    const __m256 sc = _mm256_set1_ps(scale);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      __m256 a[8];
-      for (int i = 0; i < 8; ++i) {
-        const float* kr = kb + (j + i) * D;
-        __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-        for (int64_t c = 1; c < C; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + 8 * c), acc);
-        a[i] = acc;
-      }
-      // hadd tree: lane sums in the order of Reduce8 ((0+1)+(2+3)) + ((4+5)+(6+7))
-      __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-      __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-      __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-      // h0123 = [k0lo k1lo k2lo k3lo | k0hi k1hi k2hi k3hi] (lo: lanes 0-3, hi: lanes 4-7)
-      __m256 los = _mm256_permute2f128_ps(h0123, h4567, 0x20), his = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-      _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_add_ps(los, his), sc));
-    }
-    for (; j < n; ++j) {
-      const float* kr = kb + j * D;
-      __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-      for (int64_t c = 1; c < C; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + 8 * c), acc);
-      s[j] = Hsum8(acc) * scale;
-    }
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kr = kb + j * D;
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t d = 0; d < D; ++d) lane[d % 8] += q[d] * kr[d];
-    s[j] = Reduce8(lane) * scale;
-  }
-}
-
-// Masks the scores (invisible -> -inf) and returns their max; *any = whether a key is visible.
-inline float MaskMax(float* s, const int32_t* kp, int64_t n, int32_t lo, int32_t hi, bool* any) {
-  float mx = -INFINITY;
-  bool seen = false;
-  int64_t j = 0;
-#if KVJAX_AVX2
-  const __m256i vlo = _mm256_set1_epi32(lo - 1), vhi = _mm256_set1_epi32(hi + 1);
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  __m256 vmx = ninf;
-  int vis_bits = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + j));
-    __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(p, vlo), _mm256_cmpgt_epi32(vhi, p));
-    __m256 sv = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j), _mm256_castsi256_ps(ok));
-    vis_bits |= _mm256_movemask_ps(_mm256_castsi256_ps(ok));
-    _mm256_storeu_ps(s + j, sv);
-    vmx = _mm256_max_ps(vmx, sv);
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, vmx);
-  for (int i = 0; i < 8; ++i) mx = std::max(mx, t[i]);
-  seen = vis_bits != 0;
-#endif
-  for (; j < n; ++j) {
-    if (kp[j] >= lo && kp[j] <= hi) {
-      seen = true;
-      mx = std::max(mx, s[j]);
-    } else {
-      s[j] = -INFINITY;
-    }
-  }
-  *any = seen;
-  return mx;
-}
-
-// p = exp(s - m) in place (masked scores, -inf, give 0) and their sum in a fixed order.
-inline float ExpSum(float* s, int64_t n, float m) {
-  int64_t j = 0;
-  float sum = 0.0f;
-#if KVJAX_AVX2
-  const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    __m256 sv = _mm256_loadu_ps(s + j);
-    __m256 p = Exp8(_mm256_sub_ps(sv, vm));
-    p = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), p);  // masked keys: exactly 0
-    _mm256_storeu_ps(s + j, p);
-    acc = _mm256_add_ps(acc, p);
-  }
-  sum = Hsum8(acc);
-#endif
-  for (; j < n; ++j) {
-    float p = s[j] == -INFINITY ? 0.0f : Exp1(s[j] - m);
-    s[j] = p;
-    sum += p;
-  }
-  return sum;
-}
-
-// o = alpha * o + sum_j p[j] * v[j] (j in slot order), o f32[D].
-inline void AccumulatePV(float* o, float alpha, const float* p, const float* vb, int64_t n, int64_t D) {
-#if KVJAX_AVX2
-  if (D % 8 == 0) {
-    const __m256 va = _mm256_set1_ps(alpha);
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {  // up to 8 accumulators of 8 lanes in registers
-      const int64_t C = std::min<int64_t>(8, (D - c0) / 8);
-      __m256 acc[8];
-      for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_mul_ps(va, _mm256_loadu_ps(o + c0 + 8 * c));
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const float* vr = vb + j * D + c0;
-        for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-      }
-      for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(o + c0 + 8 * c, acc[c]);
-    }
-    return;
-  }
-#endif
-  for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-  for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j];
-    const float* vr = vb + j * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(pj, vr[d], o[d]);
-  }
-}
-
-#if KVJAX_AVX2
-// ------------------------------------------------------------------------------------------------ row-blocked path
-// D = 8 * C with C known at compile time: accumulators stay in registers (a runtime C made the compiler keep them on
-// the stack, and every FMA waited on a store-to-load round trip). The arithmetic of each row is exactly `Scores` and
-// `AccumulatePV`'s -- the same lane assignment, FMA order, hadd tree and slot order -- only the loop nest differs:
-// a group of keys is loaded into L1 once and every row of the chunk is scored against it (and its values
-// accumulated into every row) before the next group, instead of each row streaming the whole block from L2.
-
-// Scores of one row against 8 keys (kb: 8 rows of D floats) -> s[0..8), as `Scores`' vector loop.
-template <int C>
-inline void Score8(const float* q, const float* kb, __m256 sc, float* s) {
-  __m256 a[8];
-  for (int i = 0; i < 8; ++i) {
-    const float* kr = kb + i * 8 * C;
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
-    for (int c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
-    a[i] = acc;
-  }
-  __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  __m256 los = _mm256_permute2f128_ps(h0123, h4567, 0x20), his = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-  _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_add_ps(los, his), sc));
-}
-
-// One key's score (a block's tail), as `Scores`' tail loop.
-template <int C>
-inline float Score1(const float* q, const float* kr, float scale) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
-  for (int c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
-  return Hsum8(acc) * scale;
-}
-
-// o = alpha * o (when first) then o += p[j] * v[j] for j in [0, n) in slot order, for one row, as `AccumulatePV`.
-template <int C>
-inline void PV1(float* o, bool first, float alpha, const float* p, const float* vb, int64_t n) {
-  __m256 acc[C];
-  const __m256 va = _mm256_set1_ps(alpha);
-  for (int c = 0; c < C; ++c) {
-    acc[c] = _mm256_loadu_ps(o + 8 * c);
-    if (first) acc[c] = _mm256_mul_ps(va, acc[c]);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vb + j * 8 * C + 8 * c), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
-}
-
-// Two rows at once (independent chains hide the FMA latency when C is small); each row's arithmetic is PV1's.
-template <int C>
-inline void PV2(float* o0, float* o1, bool first, float alpha0, float alpha1, const float* p0, const float* p1,
-                const float* vb, int64_t n) {
-  __m256 a0[C], a1[C];
-  const __m256 va0 = _mm256_set1_ps(alpha0), va1 = _mm256_set1_ps(alpha1);
-  for (int c = 0; c < C; ++c) {
-    a0[c] = _mm256_loadu_ps(o0 + 8 * c);
-    a1[c] = _mm256_loadu_ps(o1 + 8 * c);
-    if (first) {
-      a0[c] = _mm256_mul_ps(va0, a0[c]);
-      a1[c] = _mm256_mul_ps(va1, a1[c]);
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj0 = _mm256_set1_ps(p0[j]), pj1 = _mm256_set1_ps(p1[j]);
-    for (int c = 0; c < C; ++c) {
-      __m256 vv = _mm256_loadu_ps(vb + j * 8 * C + 8 * c);
-      __asm__("" : "+x"(vv));  // keep the values in a register: folded into each row's FMA they were loaded twice
-      a0[c] = _mm256_fmadd_ps(pj0, vv, a0[c]);
-      a1[c] = _mm256_fmadd_ps(pj1, vv, a1[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    _mm256_storeu_ps(o0 + 8 * c, a0[c]);
-    _mm256_storeu_ps(o1 + 8 * c, a1[c]);
-  }
-}
-#endif
-
 // Row-state of one work unit: un-normalised output, running max and sum, visible position range, query pointer.
 struct Rows {
   std::vector<float> o, m, l;
@@ -408,76 +231,407 @@ struct Rows {
   std::vector<const float*> q;
 };
 
-// Rows scored together against one key group: their scores (CHUNK x block floats) stay in L2 with the block.
-constexpr int64_t kChunk = 16;
+// The per-block scratch of one work unit. kT: the block's keys transposed, kT[d * npad + j] (keys past n are 0);
+// kp: the block's positions padded with -1 (never visible: lo >= 0); s: scores then probabilities, one row of
+// `block` floats per row of the chunk; rmax / vis: per row, 8 lane maxima of its masked scores and whether any key
+// of the block is visible to it.
+struct Scratch {
+  std::vector<float> kT, s, rmax;
+  std::vector<int32_t> kp, vis;
+  std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
+};
 
-// One key block for the rows `act[0..na)` (all of which can see part of it). C > 0: the row-blocked vector path for
-// D = 8 * C; C == 0: the generic per-row path (any D, scalar or vector). Both give each row the arithmetic of
-// `Scores` / `MaskMax` / `ExpSum` / `AccumulatePV`, so the two paths agree bit for bit on the same D.
-template <int C>
-void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, const float* kb, const float* vb,
-               const int32_t* kp, int64_t n, float* s) {
-  const int64_t D = P.D, BK = P.block;
-  bool any[kChunk];
-  float alpha[kChunk];
-  // 1. scores: a group of 8 keys (in L1) against every row of the chunk
+// One key block: n keys (npad = n rounded up to 8), whether every slot is occupied with n == npad, and the min and
+// max occupied position.
+struct Block {
+  const float *k, *v;
+  int64_t n, npad;
+  bool dense;
+  int32_t pmin, pmax;
+};
+
+// Rows handled together against one key block (their scores stay in L2 with the block); any multiple of the row
+// tile sizes works, the result does not depend on it.
+constexpr int64_t kChunk = 96;
+
+// A tile's rows are split among threads (when its tiles do not divide among them) only from this many rows: a unit
+// costs about a + b * rows (a: reading and transposing the tile's keys, b: one row's arithmetic); for 3 tiles on 2
+// threads a split wins once rows > 2a/b, ~20-30 rows by the SmolLM2-shape timings (9 rows split ran 1.6x slower).
+constexpr int64_t kSplitMinRows = 24;
+
+// Keys per panel: a panel of the block is transposed into kT (PK x D floats, <= 8 KiB at D <= 32) and scored against
+// every row tile of the chunk while it sits in L1.
+inline int64_t PanelKeys(int64_t D) { return D <= 32 ? 64 : 32; }
+
+// Transposes keys [0, n) (kb: n x D) into kT[d * ld + j], zero-padding columns [n, ld).
+inline void TransposePanel(const float* kb, int64_t n, int64_t D, int64_t ld, float* kT) {
+  int64_t j = 0;
 #if KVJAX_AVX2
-  if constexpr (C > 0) {
-    const __m256 sc = _mm256_set1_ps(P.scale);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-      for (int64_t a = 0; a < na; ++a) Score8<C>(R.q[act[a]], kb + j * D, sc, s + a * BK + j);
-    for (; j < n; ++j)
-      for (int64_t a = 0; a < na; ++a) s[a * BK + j] = Score1<C>(R.q[act[a]], kb + j * D, P.scale);
-  } else
-#endif
-  {
-    for (int64_t a = 0; a < na; ++a) Scores(R.q[act[a]], kb, n, D, P.scale, s + a * BK);
+  if (D % 8 == 0) {
+    for (; j + 8 <= n; j += 8) {
+      const float* k0 = kb + j * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        // r[i] = [key i, d0..d0+3 | key i+4, d0..d0+3], r[4+i] the same for d0+4..d0+7: a 4x4 transpose within
+        // each 128-bit half then gives the 8 keys of one d per register.
+        __m256 r[8];
+        for (int i = 0; i < 4; ++i) {
+          r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(k0 + i * D + d0)),
+                                      _mm_loadu_ps(k0 + (i + 4) * D + d0), 1);
+          r[4 + i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(k0 + i * D + d0 + 4)),
+                                          _mm_loadu_ps(k0 + (i + 4) * D + d0 + 4), 1);
+        }
+        for (int h = 0; h < 2; ++h) {
+          __m256* x = r + 4 * h;
+          const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+          const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+          float* out = kT + (d0 + 4 * h) * ld + j;
+          _mm256_storeu_ps(out, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+          _mm256_storeu_ps(out + ld, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+          _mm256_storeu_ps(out + 2 * ld, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+          _mm256_storeu_ps(out + 3 * ld, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+      }
+    }
   }
-  // 2. per row: mask, block max, exponentials and their sum (the online-softmax update)
+#endif
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? kb[jj * D + d] : 0.0f;
+}
+
+// Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
+// this block is computed (measured: without it 1-2 rows per tile ran 1.3x slower, the key transposition waiting on
+// memory; at many rows the kernel is compute-bound and would stall on each new block).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t left = 0;
+  void Step(int64_t bytes) {
+#if KVJAX_AVX2
+    for (bytes = std::min(bytes, left); bytes > 0; bytes -= 64, left -= 64, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+#else
+    (void)bytes;
+#endif
+  }
+};
+
+#if KVJAX_AVX2
+// ------------------------------------------------------------------------------------------------ AVX2 tiles
+// Tile loops are unrolled completely: an accumulator array indexed by a loop variable the compiler did not unroll
+// lives in memory, and the accumulators were stored to the stack on every step of the d loop.
+#define KVJAX_UNROLL _Pragma("GCC unroll 16")
+// Scores of R rows against V vectors of 8 keys (kt: kT at the first key), masked, stored, and folded into the rows'
+// lane maxima. Each (row, key) is ONE chain over d in order: q[0] * k[0], then fma(q[d], k[d], .) for d = 1..D-1,
+// then * scale -- no horizontal reduction, and the same arithmetic whatever R, V or the tile a row lands in.
+template <int R, int V>
+inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, __m256 sc,
+                      const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
+                      float* rmax, int32_t* vis) {
+  __m256 acc[R][V];
+  {
+    __m256 kv[V];
+    KVJAX_UNROLL
+    for (int v = 0; v < V; ++v) kv[v] = _mm256_loadu_ps(kt + 8 * v);
+    KVJAX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(q[r]);
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_mul_ps(b, kv[v]);
+    }
+  }
+  for (int64_t d = 1; d < D; ++d) {
+    const float* kd = kt + d * ld;
+    __m256 kv[V];
+    KVJAX_UNROLL
+    for (int v = 0; v < V; ++v) kv[v] = _mm256_loadu_ps(kd + 8 * v);
+    KVJAX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(q[r] + d);
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(b, kv[v], acc[r][v]);
+    }
+  }
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  KVJAX_UNROLL
+  for (int r = 0; r < R; ++r) {
+    __m256 mx = _mm256_loadu_ps(rmax + 8 * r);
+    if (full[r]) {  // every key of the block visible to this row: masking would change nothing
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) {
+        const __m256 sv = _mm256_mul_ps(acc[r][v], sc);
+        _mm256_storeu_ps(s[r] + 8 * v, sv);
+        mx = _mm256_max_ps(mx, sv);
+      }
+      _mm256_storeu_ps(rmax + 8 * r, mx);
+      vis[r] = 1;
+      continue;
+    }
+    const __m256i vlo = _mm256_set1_epi32(lo[r] - 1), vhi = _mm256_set1_epi32(hi[r] + 1);
+    int bits = 0;
+    KVJAX_UNROLL
+    for (int v = 0; v < V; ++v) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + 8 * v));
+      const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(p, vlo), _mm256_cmpgt_epi32(vhi, p));
+      const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(acc[r][v], sc), _mm256_castsi256_ps(ok));
+      bits |= _mm256_movemask_ps(_mm256_castsi256_ps(ok));
+      _mm256_storeu_ps(s[r] + 8 * v, sv);
+      mx = _mm256_max_ps(mx, sv);
+    }
+    _mm256_storeu_ps(rmax + 8 * r, mx);
+    vis[r] |= bits;
+  }
+}
+
+// p = exp(s - m) over npad scores in place (masked scores, -inf, give exactly 0); returns their sum, 8 lane
+// partials in slot order then the fixed tree.
+inline float ExpSum(float* s, int64_t npad, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < npad; j += 8) {
+    const __m256 sv = _mm256_loadu_ps(s + j);
+    const __m256 p = Exp8(_mm256_sub_ps(sv, vm));  // masked (-inf) scores: exactly 0
+    _mm256_storeu_ps(s + j, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, acc);
+  return Reduce8(t);
+}
+
+// o = alpha * o (when first) then o += p[j] * v[j] for j in [0, m) in slot order, for R rows and CC vectors of
+// columns (o, vb offset to the first column). One FMA chain per (row, column) over j: the tile shape never changes
+// a row's arithmetic.
+template <int R, int CC>
+inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const float* vb,
+                   int64_t m, int64_t D) {
+  __m256 acc[R][CC];
+  KVJAX_UNROLL
+  for (int r = 0; r < R; ++r) {
+    const __m256 va = _mm256_set1_ps(alpha[r]);
+    KVJAX_UNROLL
+    for (int c = 0; c < CC; ++c) {
+      acc[r][c] = _mm256_loadu_ps(o[r] + 8 * c);
+      if (first) acc[r][c] = _mm256_mul_ps(va, acc[r][c]);
+    }
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    __m256 vv[CC];
+    KVJAX_UNROLL
+    for (int c = 0; c < CC; ++c) {
+      vv[c] = _mm256_loadu_ps(vb + j * D + 8 * c);
+      __asm__("" : "+x"(vv[c]));  // one load per value vector, shared by the R rows (not folded into each FMA)
+    }
+    KVJAX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      KVJAX_UNROLL
+      for (int c = 0; c < CC; ++c) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
+    }
+  }
+  KVJAX_UNROLL
+  for (int r = 0; r < R; ++r)
+    KVJAX_UNROLL
+    for (int c = 0; c < CC; ++c) _mm256_storeu_ps(o[r] + 8 * c, acc[r][c]);
+}
+
+// Scores of rows act[a0 .. a0 + R) against the key vectors [v0, v1) of the block (v1 - v0 a multiple of V); the
+// panel in W.kT starts at key vector p0 and has row stride ld.
+// (Not inlined: in one function with the rest of the block's work the compiler spilled the accumulators.)
+template <int R, int V>
+__attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
+                      Scratch& W, int64_t p0, int64_t ld, __m256 sc) {
+  const float* q[R];
+  int32_t lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = act[a0 + r];
+    q[r] = R_.q[row];
+    lo[r] = R_.lo[row];
+    hi[r] = R_.hi[row];
+  }
+  for (int64_t v = v0; v < v1; v += V) {
+    float* s[R];
+    for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
+    ScoreTile<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
+                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0);
+  }
+}
+
+// Row tile -> key vectors per tile: R * V <= 12 accumulators, plus V key registers and a broadcast (4 divides a
+// panel's vectors).
+template <int R>
+constexpr int kScoreV = R >= 4 ? 2 : 4;
+
+template <int R>
+inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
+                       Scratch& W, int64_t ld, __m256 sc) {
+  constexpr int V = kScoreV<R>;
+  const int64_t vfull = v0 + (v1 - v0) / V * V;
+  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, v0, ld, sc);
+  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, v0, ld, sc);  // a ragged last block
+}
+
+// p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.
+template <int R>
+__attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t* act, const int64_t* live, int64_t i0, Scratch& W,
+                   const float* alpha, const float* vb, int64_t j0, int64_t m, bool first) {
+  const int64_t D = P.D, C = D / 8;
+  float* o[R];
+  const float* p[R];
+  float al[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t a = live[i0 + r];
+    o[r] = R_.o.data() + act[a] * D;
+    p[r] = W.s.data() + a * P.block + j0;
+    al[r] = alpha[a];
+  }
+  constexpr int CC = R >= 4 ? 2 : 4;  // R * CC <= 12 accumulators
+  int64_t c = 0;
+  auto shifted = [&](int64_t c0, float** out) {
+    for (int r = 0; r < R; ++r) out[r] = o[r] + 8 * c0;
+  };
+  float* oc[R];
+  for (; c + CC <= C; c += CC) {
+    shifted(c, oc);
+    PVTile<R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+  }
+  for (; c < C; ++c) {
+    shifted(c, oc);
+    PVTile<R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+  }
+  for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
+    for (int64_t d = 8 * C; d < D; ++d) {
+      float acc = first ? al[r] * o[r][d] : o[r][d];
+      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], vb[(j0 + j) * D + d], acc);
+      o[r][d] = acc;
+    }
+}
+
+template <template <int> class F, typename... A>
+inline void ByRows(int64_t r, A&&... a) {
+  switch (r) {
+    case 6: return F<6>::run(a...);
+    case 5: return F<5>::run(a...);
+    case 4: return F<4>::run(a...);
+    case 3: return F<3>::run(a...);
+    case 2: return F<2>::run(a...);
+    default: return F<1>::run(a...);
+  }
+}
+template <int R>
+struct ScorePanelF {
+  template <typename... A>
+  static void run(A&&... a) { ScorePanel<R>(a...); }
+};
+template <int R>
+struct PVRowsF {
+  template <typename... A>
+  static void run(A&&... a) { PVRows<R>(a...); }
+};
+constexpr int64_t kRowTile = 6;
+#endif
+
+// ------------------------------------------------------------------------------------------------ one key block
+// One key block for the rows act[0..na) of a chunk (all of which can see part of it); W.kT / W.kp hold the block.
+// Every row gets the same arithmetic whatever na: scores as above, lane maxima, exp and the lane-ordered sum over
+// the padded block, p.V in slot order. The scalar build performs the same roundings in the same order.
+void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const Block& blk,
+               Prefetch& next_k, Prefetch& next_v) {
+  const int64_t D = P.D, BK = P.block, n = blk.n, npad = blk.npad;
+  const float* vb = blk.v;
+  float alpha[kChunk];
+  bool any[kChunk];
+  std::fill(W.rmax.begin(), W.rmax.begin() + 8 * na, -INFINITY);
+  std::fill(W.vis.begin(), W.vis.begin() + na, 0);
   for (int64_t a = 0; a < na; ++a) {
     const int64_t r = act[a];
-    float* sr = s + a * BK;
-    const float mb = MaskMax(sr, kp, n, R.lo[r], R.hi[r], &any[a]);
+    W.full[a] = blk.dense && R.lo[r] <= blk.pmin && blk.pmax <= R.hi[r];
+  }
+  // 1. scores, masked, with lane maxima: a panel of keys, transposed into L1, against every row tile of the chunk
+#if KVJAX_AVX2
+  const __m256 sc = _mm256_set1_ps(P.scale);
+  const int64_t PK = PanelKeys(D), ntiles = (na + kRowTile - 1) / kRowTile;
+  for (int64_t j0 = 0; j0 < npad; j0 += PK) {
+    const int64_t ld = std::min(PK, npad - j0);
+    TransposePanel(blk.k + j0 * D, std::min(ld, n - j0), D, ld, W.kT.data());
+    const int64_t pf = (ld * D * 4 / ntiles + 63) / 64 * 64;
+    for (int64_t a0 = 0; a0 < na; a0 += kRowTile) {
+      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
+      next_k.Step(pf);
+    }
+  }
+#else
+  (void)next_k;
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t row = act[a];
+    const float* q = R.q[row];
+    float* s = W.s.data() + a * BK;
+    float* mx = W.rmax.data() + 8 * a;
+    for (int64_t j = 0; j < npad; ++j) {  // keys past n score 0 (the vector path's zero padding), then masked
+      float acc = 0.0f;
+      if (j < n) {
+        const float* kr = blk.k + j * D;
+        acc = q[0] * kr[0];
+        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], kr[d], acc);
+      }
+      const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
+      const float sv = ok ? acc * P.scale : -INFINITY;
+      W.vis[a] |= ok;
+      s[j] = sv;
+      mx[j % 8] = mx[j % 8] > sv ? mx[j % 8] : sv;  // _mm256_max_ps(mx, sv)
+    }
+  }
+#endif
+  // 2. per row: the online-softmax update (exponentials and their sum over the padded block)
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t r = act[a];
+    any[a] = W.vis[a] != 0;
     if (!any[a]) continue;
-    const float m_new = std::max(R.m[r], mb);
-    alpha[a] = Exp1(R.m[r] - m_new);  // finite - finite: m >= M_INIT, m_new a real score
-    const float psum = ExpSum(sr, n, m_new);
+    const float m_new = std::max(R.m[r], Max8(W.rmax.data() + 8 * a));
+    alpha[a] = ExpScalar(R.m[r] - m_new);  // finite - finite: m >= M_INIT, m_new a real score
+    float* s = W.s.data() + a * BK;
+#if KVJAX_AVX2
+    const float psum = ExpSum(s, npad, m_new);
+#else
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < npad; ++j) {
+      s[j] = ExpScalar(s[j] - m_new);  // masked (-inf) scores: exactly 0
+      lanes[j % 8] += s[j];
+    }
+    const float psum = Reduce8(lanes);
+#endif
     R.l[r] = alpha[a] * R.l[r] + psum;
     R.m[r] = m_new;
   }
-  // 3. p.V: a sub-block of values (in L1) accumulated into every row, in slot order per row
+  // 3. p.V: a sub-block of values (8 KiB, in L1) accumulated into every live row, in slot order per row
+  int64_t live[kChunk], nl = 0;
+  for (int64_t a = 0; a < na; ++a)
+    if (any[a]) live[nl++] = a;
+  const int64_t SUB = std::max<int64_t>(8, 2048 / std::max<int64_t>(D, 1));
+  for (int64_t j0 = 0; j0 < n; j0 += SUB) {
+    const int64_t m = std::min(SUB, n - j0);
+    const bool first = j0 == 0;
 #if KVJAX_AVX2
-  if constexpr (C > 0) {
-    constexpr int64_t SUB = std::max(8, 2048 / (8 * C));  // 8 KiB of values
-    int64_t live[kChunk], nl = 0;
-    for (int64_t a = 0; a < na; ++a)
-      if (any[a]) live[nl++] = a;
-    for (int64_t j0 = 0; j0 < n; j0 += SUB) {
-      const int64_t m = std::min(SUB, n - j0);
-      const bool first = j0 == 0;
-      int64_t i = 0;
-      if (C <= 4)
-        for (; i + 2 <= nl; i += 2) {
-          const int64_t a0 = live[i], a1 = live[i + 1];
-          PV2<C>(R.o.data() + act[a0] * D, R.o.data() + act[a1] * D, first, alpha[a0], alpha[a1],
-                 s + a0 * BK + j0, s + a1 * BK + j0, vb + j0 * D, m);
-        }
-      for (; i < nl; ++i) {
-        const int64_t a = live[i];
-        PV1<C>(R.o.data() + act[a] * D, first, alpha[a], s + a * BK + j0, vb + j0 * D, m);
+    const int64_t pf = (m * D * 4 / std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile) + 63) / 64 * 64;
+    for (int64_t i0 = 0; i0 < nl; i0 += kRowTile) {
+      ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, j0, m, first);
+      next_v.Step(pf);
+    }
+#else
+    (void)next_v;
+    for (int64_t i = 0; i < nl; ++i) {
+      const int64_t a = live[i];
+      float* o = R.o.data() + act[a] * D;
+      const float* p = W.s.data() + a * BK + j0;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = first ? alpha[a] * o[d] : o[d];
+        for (int64_t j = 0; j < m; ++j) acc = std::fma(p[j], vb[(j0 + j) * D + d], acc);
+        o[d] = acc;
       }
     }
-    return;
-  }
 #endif
-  for (int64_t a = 0; a < na; ++a)
-    if (any[a]) AccumulatePV(R.o.data() + act[a] * D, alpha[a], s + a * BK, vb, n, D);
+  }
 }
 
 // One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g).
-template <int C>
-void RunUnitT(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
+void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   const int64_t S = P.S, D = P.D, G = P.G, BK = P.block;
   const float* kt = P.k + (b * P.K + h) * S * D;
   const float* vt = P.v + (b * P.K + h) * S * D;
@@ -486,19 +640,23 @@ void RunUnitT(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   // per block: min and max occupied position (max < 0: the block is empty); blocks past the last occupied one are
   // never read.
   std::vector<int32_t> bmin(nblocks), bmax(nblocks);
+  std::vector<uint8_t> dense(nblocks);
   int64_t used = 0;
   for (int64_t i = 0; i < nblocks; ++i) {
     int32_t mn = INT32_MAX, mx = -1;
     const int64_t j1 = std::min(S, (i + 1) * BK);
+    int64_t occupied = 0;
     for (int64_t j = i * BK; j < j1; ++j) {
       const int32_t p = kp[j];
       if (p >= 0) {
         mn = std::min(mn, p);
         mx = std::max(mx, p);
+        ++occupied;
       }
     }
     bmin[i] = mn;
     bmax[i] = mx;
+    dense[i] = occupied == j1 - i * BK && occupied % 8 == 0;
     if (mx >= 0) used = i + 1;
   }
   const int64_t NR = r1 - r0;
@@ -517,16 +675,38 @@ void RunUnitT(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
     R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
-  std::vector<float> s(kChunk * BK);
+  Scratch W;
+  W.kT.resize(D * PanelKeys(D));
+  W.kp.resize(BK);
+  W.s.resize(kChunk * BK);
+  W.rmax.resize(8 * kChunk);
+  W.vis.resize(kChunk);
+  W.full.resize(kChunk);
   std::vector<int64_t> act(NR);
   for (int64_t i = 0; i < used; ++i) {
     if (bmax[i] < 0) continue;
-    const int64_t j0 = i * BK, n = std::min(BK, S - j0);
+    Block blk;
+    const int64_t j0 = i * BK;
+    blk.k = kt + j0 * D;
+    blk.v = vt + j0 * D;
+    blk.n = std::min(BK, S - j0);
+    blk.npad = (blk.n + 7) / 8 * 8;
+    blk.dense = dense[i];
+    blk.pmin = bmin[i];
+    blk.pmax = bmax[i];
     int64_t na = 0;
     for (int64_t r = 0; r < NR; ++r)  // rows that can see something in this block
       if (!(R.hi[r] < R.lo[r] || bmin[i] > R.hi[r] || bmax[i] < R.lo[r])) act[na++] = r;
+    if (na == 0) continue;
+    for (int64_t j = 0; j < blk.npad; ++j) W.kp[j] = j < blk.n ? kp[j0 + j] : -1;  // -1: never visible (lo >= 0)
+    Prefetch next_k, next_v;  // the next block (its keys while scoring, its values during p.V)
+    if (i + 1 < used) {
+      const int64_t bytes = std::min(BK, S - j0 - BK) * D * 4;
+      next_k = Prefetch{reinterpret_cast<const char*>(blk.k + BK * D), bytes};
+      next_v = Prefetch{reinterpret_cast<const char*>(blk.v + BK * D), bytes};
+    }
     for (int64_t a0 = 0; a0 < na; a0 += kChunk)
-      BlockRows<C>(P, R, act.data() + a0, std::min(kChunk, na - a0), kt + j0 * D, vt + j0 * D, kp + j0, n, s.data());
+      BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, blk, next_k, next_v);
   }
   for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
@@ -535,19 +715,6 @@ void RunUnitT(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
     P.m[qi] = R.m[r];
     P.l[qi] = R.l[r];
   }
-}
-
-void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
-#if KVJAX_AVX2
-  switch (P.D) {
-    case 16: return RunUnitT<2>(P, b, h, r0, r1);
-    case 32: return RunUnitT<4>(P, b, h, r0, r1);
-    case 64: return RunUnitT<8>(P, b, h, r0, r1);
-    case 128: return RunUnitT<16>(P, b, h, r0, r1);
-    default: break;
-  }
-#endif
-  RunUnitT<0>(P, b, h, r0, r1);
 }
 
 ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -597,8 +764,11 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
   }
   Pool& pool = Pool::get();
   const int64_t tiles = P.B * P.K, rows = P.T * P.G, threads = pool.threads();
-  // Whole tiles when they divide among the threads (each thread streams its own keys); otherwise row ranges too.
-  const int64_t chunks = (tiles % threads == 0) ? 1 : std::min<int64_t>(threads, rows);
+  // Whole tiles when they divide among the threads (each thread streams its own keys), or when a tile has few rows
+  // (memory-bound: every unit of a tile reads and transposes all its keys, so splitting its rows would read them
+  // once per thread -- measured at SmolLM2's 3 KV heads, 1 row: 1.3x slower split); otherwise row ranges too.
+  // (Which thread runs a row never changes its arithmetic.)
+  const int64_t chunks = (tiles % threads == 0 || rows < kSplitMinRows) ? 1 : std::min<int64_t>(threads, rows);
   const int64_t per = (rows + chunks - 1) / chunks;
   pool.Run(tiles * chunks, [&](int64_t u) {
     const int64_t tile = u / chunks, c = u % chunks;

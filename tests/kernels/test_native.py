@@ -189,3 +189,56 @@ def test_vericache_equals_reference_with_native_for_every_shape(hf_model_dir, mo
         assert picked and all(picked)  # every traced attention went native
     finally:
         jax.clear_caches()
+
+
+@pytest.mark.parametrize("D,G", [(16, 1), (24, 1), (64, 3), (128, 1)])
+def test_row_results_do_not_depend_on_the_row_count(D, G):
+    """Scores come from register tiles of up to 6 rows (fewer at a chunk's end) against a transposed key panel, and
+    p.V from tiles of up to 6 rows: every row's arithmetic is one chain per (row, key) and per (row, column), so a
+    row alone, in 2, 3 or 17 rows, or among 66 gives the same bits. S = 701 leaves every D's last block ragged
+    (n % 8 != 0, its keys padded to 8 inside the kernel); D = 24 is not a multiple of the vector width."""
+    T = 66 // G
+    q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(701, 437), per_head=True, seed=D)
+    full = np.asarray(_native(q, k, v, q_pos, k_pos))
+    np.testing.assert_allclose(full, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    for count in (1, 2, 3, 17):
+        for t0 in {0, T - count, min(5, T - count)}:
+            part = np.asarray(_native(q[:, t0:t0 + count], k, v, q_pos[:, t0:t0 + count], k_pos))
+            assert np.array_equal(part, full[:, t0:t0 + count]), (count, t0)
+
+
+def test_a_windowed_row_is_masked_inside_full_blocks():
+    """Rows whose window starts inside a block and rows that see whole blocks share a call: the kernel skips the
+    position mask only for a row that sees every key of a fully occupied block; the others stay masked."""
+    q, k, v, q_pos, k_pos = _case(12, 2, K=2, D=32, S=1024, lengths=(1024, 1000), seed=21)
+    for window in (None, 300, 513):
+        got = np.asarray(_native(q, k, v, q_pos, k_pos, window))
+        np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)),
+                                   **TOL)
+
+
+@pytest.mark.slow  # compiles the library a second time (~15 s)
+def test_scalar_build_equals_the_vector_build(tmp_path):
+    """The portable build (no -march=native: the scalar path, std::fma and the same exp polynomial) gives the AVX2
+    build's bits: ragged blocks, empty slots, a window, D = 24 / 32 / 64."""
+    import ctypes
+
+    if native.status().get("vector_width") != 8:
+        pytest.skip("this machine's build is the scalar one already")
+    lib = tmp_path / "scalar.so"
+    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
+    assert err is None, err
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    assert handle.kvjax_native_vector_width() == 1
+    jax.ffi.register_ffi_target("kvjax_attend_scalar_test", jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+    for T, G, D, window in [(17, 2, 32, None), (5, 3, 64, 300), (3, 2, 24, None)]:
+        q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(698, 350), per_head=True, seed=D)
+        outs = []
+        for target in (native.TARGET, "kvjax_attend_scalar_test"):
+            shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
+                      jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+            call = jax.ffi.ffi_call(target, shapes)
+            outs.append(call(q, k, v, q_pos, k_pos, window=np.int64(window or 0), scale=np.float32(D**-0.5),
+                             block=np.int64(native.default_block(D))))
+        for a, b in zip(*outs):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D, window)
