@@ -51,7 +51,8 @@ def test_verify_rows_bitwise_equal_reference_row0(hf_model_dir, name):
 
 
 # CI time: drop + quantize (15 s) is slow-only here; it runs in CI through DeepSeek-V4's VeriCache test
-@pytest.mark.parametrize("comp", [pytest.param(c, marks=pytest.mark.slow) if c == "dropquant" else c for c in sorted(SMALL)])
+@pytest.mark.parametrize("comp", [pytest.param(c, marks=pytest.mark.slow) if c == "dropquant" else c
+                                  for c in sorted(SMALL)])
 def test_greedy_tokens_and_logits_exact_every_compressor(llama, comp):
     for prompt in _prompts(2, 72, seed=1):
         ref = reference_decode(llama, prompt, 20, draft_len=4, return_logits=True)
