@@ -168,18 +168,19 @@ def default_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
 # The kernel scores up to 16 query rows against each group of keys it loads (register-blocked across rows, each
 # row's arithmetic unchanged), so it no longer re-reads a key block per row and wins at every row count and cache
 # size measured, from 256-slot draft rings to 256-row prefill chunks over 36,864 slots. Hence: native for every f32
-# attention (NATIVE_MIN_SLOTS = 0, no row limit); a bf16 cache stays on XLA rather than paying an f32 copy. The two
-# limits stay as knobs (tests lift or set them) in case a shape is found where XLA wins.
+# or bf16 attention (NATIVE_MIN_SLOTS = 0, no row limit); the kernel reads bf16 keys and values directly (widened
+# exactly as it loads them, no f32 copy), e.g. a bf16 draft cache's prompt parts. The two limits stay as knobs (tests
+# lift or set them) in case a shape is found where XLA wins.
 NATIVE_MAX_ROWS: int | None = None
 NATIVE_MIN_SLOTS = 0
 
 
 def native_wins(q: jax.Array, k: jax.Array) -> bool:
     """Whether the native kernel runs this attention (static shapes only, so a verify block and its reference decoder
-    take the same one): f32 keys (it reads f32; a bf16 cache stays on XLA rather than paying a copy), at most
-    NATIVE_MAX_ROWS query rows (None: any) and at least NATIVE_MIN_SLOTS slots (measured, above)."""
+    take the same one): f32 or bf16 keys (the kernel reads both without a copy), at most NATIVE_MAX_ROWS query rows
+    (None: any) and at least NATIVE_MIN_SLOTS slots (measured, above)."""
     rows_ok = NATIVE_MAX_ROWS is None or q.shape[1] <= NATIVE_MAX_ROWS
-    return k.dtype == jnp.float32 and rows_ok and k.shape[2] >= NATIVE_MIN_SLOTS
+    return k.dtype in (jnp.float32, jnp.bfloat16) and rows_ok and k.shape[2] >= NATIVE_MIN_SLOTS
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
@@ -204,7 +205,9 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None):
     """`attend` without the final division: un-normalised `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])`.
 
     The XLA form of `pallas_kernels.attend(..., return_stats=True)` (same statistics, `combine`-able across parts),
-    with the einsum output order XLA:CPU runs fast (see `attend`).
+    with the einsum output order XLA:CPU runs fast (see `attend`). Keys and values narrower than the queries (a bf16
+    draft part under f32 queries) are upcast to the queries' dtype — an f32 copy on this path, unlike the native
+    kernel — so the probabilities are never rounded to bf16.
     """
     B, T, N, D = q.shape
     K = k.shape[1]
@@ -217,7 +220,7 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None):
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("BKGTS,BKSD->BKGTD", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("BKGTS,BKSD->BKGTD", p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
     to_q = lambda a: jnp.transpose(a, (0, 3, 1, 2, 4)).reshape(B, T, N, a.shape[-1])  # noqa: E731
     return to_q(o), to_q(m)[..., 0], to_q(l)[..., 0]
 

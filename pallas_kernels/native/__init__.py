@@ -133,7 +133,8 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
     """Kernel 0's un-normalised statistics by the native kernel.
 
     Args:
-        q: [B, T, N, D]; k, v: [B, K, S, D] (v None: keys are the values); q_pos: i32[B, T];
+        q: [B, T, N, D]; k, v: [B, K, S, D] (v None: keys are the values; both bf16: read as bf16, else as f32);
+            q_pos: i32[B, T];
         k_pos: i32[B, S] or i32[B, K, S] (-1 empty); window: W or None; scale: default D ** -0.5;
         block: keys per block (static; default `default_block(D)`).
 
@@ -148,8 +149,10 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
     scale = D**-0.5 if scale is None else scale
     f32 = jnp.float32
-    k = k.astype(f32)
-    v = k if v is None else v.astype(f32)
+    v = k if v is None else v
+    # bf16 keys and values are read as they are (widened exactly inside the kernel): no f32 copy of the cache
+    kv_dtype = jnp.bfloat16 if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 else f32
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
            jax.ShapeDtypeStruct((B, T, N), f32))
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")

@@ -1,6 +1,7 @@
 // Kernel 0 on the CPU: position-masked grouped-query attention over a cache, as an XLA FFI custom call.
 //
-// Inputs  q f32[B, T, N, D], k f32[B, K, S, D], v f32[B, K, S, D], q_pos s32[B, T], k_pos s32[B, S] or s32[B, K, S]
+// Inputs  q f32[B, T, N, D], k f32|bf16[B, K, S, D], v (k's dtype)[B, K, S, D], q_pos s32[B, T],
+//         k_pos s32[B, S] or s32[B, K, S]
 // Outputs o f32[B, T, N, D] (un-normalised), m f32[B, T, N] (running max), l f32[B, T, N] (sum of exp(s - m))
 // Attrs   window (s64, <= 0: none), scale (f32)
 //
@@ -28,6 +29,11 @@
 // the work by tiles (and, when tiles do not divide among threads, by row ranges), never a row's keys, for the same
 // reason. The scalar build (no AVX2/FMA) performs the same roundings in the same order (std::fma, the same exp
 // polynomial), so it agrees with the vector build.
+//
+// bf16 keys and values (a draft cache stored at half the bytes) are read directly, never copied to f32 first: a
+// bf16 -> f32 conversion is exact (the 16 bits shifted into the high half), done as keys are transposed into the L1
+// panel and as values are loaded into registers for p.V; from there the arithmetic is the f32 path's. So attending
+// to bf16 K/V gives bit for bit what attending to the same values stored as f32 gives.
 //
 // Measured (2-core EPYC Zen 3, AVX2, a shared and loaded machine; per layer, this kernel / the previous one of 8-lane
 // partials + hadd tree, interleaved in one process, best of 10-40 runs): >= 17 rows per KV head 0.61-0.88x (33 x 2
@@ -212,9 +218,22 @@ inline float Max8(const float* a) {
   return mx;
 }
 
+// bf16 -> f32, exactly: a bf16 is the high 16 bits of the f32 of the same value. Elements are float (f32 caches,
+// unchanged) or uint16_t (bf16 bits).
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // ------------------------------------------------------------------------------------------------ the problem
+// k and v point at float or uint16_t (bf16) elements, per `bf16`.
 struct Problem {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;
+  bool bf16;
   const int32_t *q_pos, *k_pos;
   float *o, *m, *l;
   int64_t B, T, N, K, S, D, G;
@@ -243,8 +262,9 @@ struct Scratch {
 
 // One key block: n keys (npad = n rounded up to 8), whether every slot is occupied with n == npad, and the min and
 // max occupied position.
+template <typename T>
 struct Block {
-  const float *k, *v;
+  const T *k, *v;
   int64_t n, npad;
   bool dense;
   int32_t pmin, pmax;
@@ -263,22 +283,37 @@ constexpr int64_t kSplitMinRows = 24;
 // every row tile of the chunk while it sits in L1.
 inline int64_t PanelKeys(int64_t D) { return D <= 32 ? 64 : 32; }
 
-// Transposes keys [0, n) (kb: n x D) into kT[d * ld + j], zero-padding columns [n, ld).
-inline void TransposePanel(const float* kb, int64_t n, int64_t D, int64_t ld, float* kT) {
+#if KVJAX_AVX2
+// 8 (4) consecutive elements as f32 lanes: a plain load, or bf16 bits zero-extended to 32 and shifted up 16.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m128 Load4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 Load4(const uint16_t* p) {
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// Transposes keys [0, n) (kb: n x D, f32 or bf16) into kT[d * ld + j] as f32, zero-padding columns [n, ld).
+template <typename T>
+inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float* kT) {
   int64_t j = 0;
 #if KVJAX_AVX2
   if (D % 8 == 0) {
     for (; j + 8 <= n; j += 8) {
-      const float* k0 = kb + j * D;
+      const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 8) {
         // r[i] = [key i, d0..d0+3 | key i+4, d0..d0+3], r[4+i] the same for d0+4..d0+7: a 4x4 transpose within
         // each 128-bit half then gives the 8 keys of one d per register.
         __m256 r[8];
         for (int i = 0; i < 4; ++i) {
-          r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(k0 + i * D + d0)),
-                                      _mm_loadu_ps(k0 + (i + 4) * D + d0), 1);
-          r[4 + i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(k0 + i * D + d0 + 4)),
-                                          _mm_loadu_ps(k0 + (i + 4) * D + d0 + 4), 1);
+          r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0)), Load4(k0 + (i + 4) * D + d0),
+                                      1);
+          r[4 + i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0 + 4)),
+                                          Load4(k0 + (i + 4) * D + d0 + 4), 1);
         }
         for (int h = 0; h < 2; ++h) {
           __m256* x = r + 4 * h;
@@ -295,7 +330,7 @@ inline void TransposePanel(const float* kb, int64_t n, int64_t D, int64_t ld, fl
   }
 #endif
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? kb[jj * D + d] : 0.0f;
+    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Widen(kb[jj * D + d]) : 0.0f;
 }
 
 // Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
@@ -399,8 +434,8 @@ inline float ExpSum(float* s, int64_t npad, float m) {
 // o = alpha * o (when first) then o += p[j] * v[j] for j in [0, m) in slot order, for R rows and CC vectors of
 // columns (o, vb offset to the first column). One FMA chain per (row, column) over j: the tile shape never changes
 // a row's arithmetic.
-template <int R, int CC>
-inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const float* vb,
+template <int R, int CC, typename T>
+inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
                    int64_t m, int64_t D) {
   __m256 acc[R][CC];
   KVJAX_UNROLL
@@ -416,8 +451,9 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
     __m256 vv[CC];
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
-      vv[c] = _mm256_loadu_ps(vb + j * D + 8 * c);
-      __asm__("" : "+x"(vv[c]));  // one load per value vector, shared by the R rows (not folded into each FMA)
+      vv[c] = Load8(vb + j * D + 8 * c);
+      // one load (and widening) per value vector, shared by the R rows (not folded into each FMA)
+      __asm__("" : "+x"(vv[c]));
     }
     KVJAX_UNROLL
     for (int r = 0; r < R; ++r) {
@@ -469,9 +505,9 @@ inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int
 }
 
 // p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.
-template <int R>
+template <int R, typename T>
 __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t* act, const int64_t* live, int64_t i0, Scratch& W,
-                   const float* alpha, const float* vb, int64_t j0, int64_t m, bool first) {
+                   const float* alpha, const T* vb, int64_t j0, int64_t m, bool first) {
   const int64_t D = P.D, C = D / 8;
   float* o[R];
   const float* p[R];
@@ -499,7 +535,7 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {
       float acc = first ? al[r] * o[r][d] : o[r][d];
-      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], vb[(j0 + j) * D + d], acc);
+      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], Widen(vb[(j0 + j) * D + d]), acc);
       o[r][d] = acc;
     }
 }
@@ -532,10 +568,11 @@ constexpr int64_t kRowTile = 6;
 // One key block for the rows act[0..na) of a chunk (all of which can see part of it); W.kT / W.kp hold the block.
 // Every row gets the same arithmetic whatever na: scores as above, lane maxima, exp and the lane-ordered sum over
 // the padded block, p.V in slot order. The scalar build performs the same roundings in the same order.
-void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const Block& blk,
+template <typename T>
+void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const Block<T>& blk,
                Prefetch& next_k, Prefetch& next_v) {
   const int64_t D = P.D, BK = P.block, n = blk.n, npad = blk.npad;
-  const float* vb = blk.v;
+  const T* vb = blk.v;
   float alpha[kChunk];
   bool any[kChunk];
   std::fill(W.rmax.begin(), W.rmax.begin() + 8 * na, -INFINITY);
@@ -551,7 +588,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, std::min(ld, n - j0), D, ld, W.kT.data());
-    const int64_t pf = (ld * D * 4 / ntiles + 63) / 64 * 64;
+    const int64_t pf = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64 * 64;
     for (int64_t a0 = 0; a0 < na; a0 += kRowTile) {
       ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
       next_k.Step(pf);
@@ -567,9 +604,9 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     for (int64_t j = 0; j < npad; ++j) {  // keys past n score 0 (the vector path's zero padding), then masked
       float acc = 0.0f;
       if (j < n) {
-        const float* kr = blk.k + j * D;
-        acc = q[0] * kr[0];
-        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], kr[d], acc);
+        const T* kr = blk.k + j * D;
+        acc = q[0] * Widen(kr[0]);
+        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Widen(kr[d]), acc);
       }
       const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
       const float sv = ok ? acc * P.scale : -INFINITY;
@@ -609,7 +646,8 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const int64_t m = std::min(SUB, n - j0);
     const bool first = j0 == 0;
 #if KVJAX_AVX2
-    const int64_t pf = (m * D * 4 / std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile) + 63) / 64 * 64;
+    const int64_t tiles = std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile);
+    const int64_t pf = (m * D * static_cast<int64_t>(sizeof(T)) / tiles + 63) / 64 * 64;
     for (int64_t i0 = 0; i0 < nl; i0 += kRowTile) {
       ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, j0, m, first);
       next_v.Step(pf);
@@ -622,7 +660,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
       const float* p = W.s.data() + a * BK + j0;
       for (int64_t d = 0; d < D; ++d) {
         float acc = first ? alpha[a] * o[d] : o[d];
-        for (int64_t j = 0; j < m; ++j) acc = std::fma(p[j], vb[(j0 + j) * D + d], acc);
+        for (int64_t j = 0; j < m; ++j) acc = std::fma(p[j], Widen(vb[(j0 + j) * D + d]), acc);
         o[d] = acc;
       }
     }
@@ -631,10 +669,11 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
 }
 
 // One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g).
+template <typename T>
 void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   const int64_t S = P.S, D = P.D, G = P.G, BK = P.block;
-  const float* kt = P.k + (b * P.K + h) * S * D;
-  const float* vt = P.v + (b * P.K + h) * S * D;
+  const T* kt = static_cast<const T*>(P.k) + (b * P.K + h) * S * D;
+  const T* vt = static_cast<const T*>(P.v) + (b * P.K + h) * S * D;
   const int32_t* kp = P.k_pos + (P.pos_per_head ? (b * P.K + h) * S : b * S);
   const int64_t nblocks = (S + BK - 1) / BK;
   // per block: min and max occupied position (max < 0: the block is empty); blocks past the last occupied one are
@@ -685,7 +724,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   std::vector<int64_t> act(NR);
   for (int64_t i = 0; i < used; ++i) {
     if (bmax[i] < 0) continue;
-    Block blk;
+    Block<T> blk;
     const int64_t j0 = i * BK;
     blk.k = kt + j0 * D;
     blk.v = vt + j0 * D;
@@ -701,7 +740,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
     for (int64_t j = 0; j < blk.npad; ++j) W.kp[j] = j < blk.n ? kp[j0 + j] : -1;  // -1: never visible (lo >= 0)
     Prefetch next_k, next_v;  // the next block (its keys while scoring, its values during p.V)
     if (i + 1 < used) {
-      const int64_t bytes = std::min(BK, S - j0 - BK) * D * 4;
+      const int64_t bytes = std::min(BK, S - j0 - BK) * D * static_cast<int64_t>(sizeof(T));
       next_k = Prefetch{reinterpret_cast<const char*>(blk.k + BK * D), bytes};
       next_v = Prefetch{reinterpret_cast<const char*>(blk.v + BK * D), bytes};
     }
@@ -717,7 +756,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   }
 }
 
-ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
                       ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale,
                       int64_t block) {
@@ -734,6 +773,9 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
     return ffi::Error::InvalidArgument("k must be [B, K, S, D] with N a multiple of K");
   if (v.dimensions().size() != 4 || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("v must have k's shape");
+  const ffi::DataType kt = k.element_type();
+  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16) || v.element_type() != kt)
+    return ffi::Error::InvalidArgument("k and v must both be f32 or both bf16");
   if (pd.size() == 3 && pd[0] == P.B && pd[1] == P.K && pd[2] == P.S) {
     P.pos_per_head = true;
   } else if (pd.size() == 2 && pd[0] == P.B && pd[1] == P.S) {
@@ -746,8 +788,9 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
   if (block < 8 || block % 8) return ffi::Error::InvalidArgument("block must be a positive multiple of 8");
   P.G = P.N / P.K;
   P.q = q.typed_data();
-  P.k = k.typed_data();
-  P.v = v.typed_data();
+  P.k = k.untyped_data();
+  P.v = v.untyped_data();
+  P.bf16 = kt == ffi::DataType::BF16;
   P.q_pos = q_pos.typed_data();
   P.k_pos = k_pos.typed_data();
   P.o = o->typed_data();
@@ -773,7 +816,11 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
   pool.Run(tiles * chunks, [&](int64_t u) {
     const int64_t tile = u / chunks, c = u % chunks;
     const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
-    if (r0 < r1) RunUnit(P, tile / P.K, tile % P.K, r0, r1);
+    if (r0 >= r1) return;
+    if (P.bf16)
+      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, r0, r1);
+    else
+      RunUnit<float>(P, tile / P.K, tile % P.K, r0, r1);
   });
   return ffi::Error::Success();
 }
@@ -783,8 +830,8 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // k: f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // v: k's dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
