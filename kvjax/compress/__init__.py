@@ -18,7 +18,8 @@ BULK_RATIO = {2: 8.0, 4: 16.0}
 
 def make_compressor(name: str, **kw) -> Compressor:
     """'streaming' | 'snapkv' | 'kvzip' | 'kivi2' | 'kivi4' | 'dropquant' | 'refresh' | 'refresh_kivi2' |
-    'refresh_kivi4' -> a compressor (kw: its fields)."""
+    'refresh_kivi4' -> a compressor (kw: its fields, e.g. `ratio=8.0`, or `draft_dtype="bfloat16"` to keep the
+    draft's full-precision prompt parts in bf16)."""
     if name in ("kivi2", "kivi4"):
         return KIVI(bits=int(name[-1]), **kw)
     if name in ("refresh_kivi2", "refresh_kivi4"):

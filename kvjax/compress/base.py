@@ -7,6 +7,11 @@ exactly (they are already small). Each draft layer also gets an empty recent rin
 
 Positions stay the ORIGINAL absolute positions (no re-rotation; keys were rotated at their own positions when the
 full cache was written).
+
+`draft_dtype` stores the full-precision prompt parts (the kept tokens) in bfloat16 instead of float32: half the bytes
+a draft token reads from them. The native attention kernel reads them as bf16 (no f32 copy); the recent ring stays
+float32 (small, written every step), and verification reads the float32 full cache as always, so VeriCache's output
+is unchanged — only acceptance can move.
 """
 
 from __future__ import annotations
@@ -61,11 +66,20 @@ def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
     return jnp.where(L <= C, short, long).astype(jnp.int32)
 
 
-def sinks_and_recent_part(form, length: jax.Array, sinks: int, recent: int) -> SparseKV:
+DRAFT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def sparse_part(form, pos: jax.Array, dtype: str = "float32", gather=gather_tokens) -> SparseKV:
+    """A layer's tokens at slots `pos` (`gather_tokens`' forms) as a sparse prompt part stored in `dtype`
+    (a `DRAFT_DTYPES` name)."""
+    dt = DRAFT_DTYPES[dtype]
+    return SparseKV(k=gather(form.k, pos).astype(dt), v=gather(form.v, pos).astype(dt), pos=pos)
+
+
+def sinks_and_recent_part(form, length: jax.Array, sinks: int, recent: int, dtype: str = "float32") -> SparseKV:
     """The exact keys and values of a layer's sinks and last `recent` prompt tokens, as one sparse part (what the
-    quantizing drafters keep at full precision)."""
-    pos = sinks_and_recent(length, sinks, recent)
-    return SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos)
+    quantizing drafters keep at full precision), stored in `dtype`."""
+    return sparse_part(form, sinks_and_recent(length, sinks, recent), dtype)
 
 
 def protected_mask(length: jax.Array, S: int, sinks: int, recent: int) -> jax.Array:
@@ -98,11 +112,17 @@ class Compressor:
     Attributes:
         ratio: full prompt tokens / kept tokens per head (e.g. 4.0 keeps a quarter); quantizers ignore it.
         sinks: first tokens always kept in full precision.
+        draft_dtype: "float32" (default) or "bfloat16": the dtype of the kept tokens' keys and values (keyword only).
     """
 
     ratio: float = 4.0
     sinks: int = 4
     name: str = dataclasses.field(default="base", init=False)
+    draft_dtype: str = dataclasses.field(default="float32", kw_only=True)
+
+    def __post_init__(self):
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
 
     def budget(self, prompt_len: int) -> int:
         """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32)."""

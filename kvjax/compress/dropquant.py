@@ -26,6 +26,7 @@ class DropQuantize(Compressor):
     name: str = dataclasses.field(default="dropquant", init=False)
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "name", f"drop{self.ratio:g}+q{self.bits}")
 
     def prepare(self, params, config, full, prompt):
@@ -34,7 +35,7 @@ class DropQuantize(Compressor):
         return {"scores": kvzip_scores(params, config, full, prompt, chunk=self.chunk)}
 
     def layer_parts(self, i, form, length, prompt_len, data):
-        dense = sinks_and_recent_part(form, length, self.sinks, self.residual)
+        dense = sinks_and_recent_part(form, length, self.sinks, self.residual, self.draft_dtype)
         n_mid = prompt_len - self.sinks - self.residual
         if n_mid <= 0:
             return (dense,)

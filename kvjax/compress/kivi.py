@@ -30,10 +30,11 @@ class KIVI(Compressor):
     name: str = dataclasses.field(default="kivi", init=False)
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "name", f"kivi{self.bits}")
 
     def layer_parts(self, i, form, length, prompt_len, data):
-        dense = sinks_and_recent_part(form, length, self.sinks, self.residual)
+        dense = sinks_and_recent_part(form, length, self.sinks, self.residual, self.draft_dtype)
         n_mid = prompt_len - self.sinks - self.residual
         if n_mid <= 0:
             return (dense,)

@@ -14,8 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.draft import SparseKV
-from kvjax.compress.base import Compressor, gather_tokens
+from kvjax.compress.base import Compressor, sparse_part
 from kvjax.compress.scoring import attention_received
 from kvjax.compress.snapkv import group_reduce, select_protected
 
@@ -52,4 +51,4 @@ class KVzipStyle(Compressor):
 
     def layer_parts(self, i, form, length, prompt_len, data):
         pos = select_protected(form, length, self.budget(prompt_len), data["scores"][i], self.sinks, self.recent)
-        return (SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos),)
+        return (sparse_part(form, pos, self.draft_dtype),)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache
 from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV, SparseKV
-from kvjax.compress.base import Compressor, gather_blocks, gather_tokens, round_up
+from kvjax.compress.base import Compressor, gather_blocks, gather_tokens, round_up, sparse_part
 from kvjax.models.attention_scores import block_mass  # noqa: F401 - part of this drafter's interface
 
 
@@ -101,10 +101,11 @@ def hidden_slots(bulk_pos: jax.Array, selected: jax.Array, block: int) -> jax.Ar
     return jnp.take_along_axis(mark, of_slot, axis=2)
 
 
-def selected_parts(form, pos: jax.Array, bulk: QuantizedBulk | None, block: int) -> tuple:
-    """A layer's prompt parts for the selection `pos`: its blocks at full precision, and the quantized bulk (if the
-    draft has one) with those blocks hidden, so no token is attended twice."""
-    part = SparseKV(k=gather_blocks(form.k, pos, block), v=gather_blocks(form.v, pos, block), pos=pos)
+def selected_parts(form, pos: jax.Array, bulk: QuantizedBulk | None, block: int, dtype: str = "float32") -> tuple:
+    """A layer's prompt parts for the selection `pos`: its blocks in `dtype` ("float32": full precision, or
+    "bfloat16"), and the quantized bulk (if the draft has one) with those blocks hidden, so no token is attended
+    twice."""
+    part = sparse_part(form, pos, dtype, gather=lambda x, p: gather_blocks(x, p, block))
     if bulk is None:
         return (part,)
     return part, dataclasses.replace(bulk, hidden=hidden_slots(bulk.q.pos, pos, block))
@@ -131,7 +132,8 @@ def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec
         end = _ring_start(dl.recent.pos, draft.length)
         pos = select_blocks(mass, end, spec)
         bulk = next((p for p in dl.parts if isinstance(p, QuantizedBulk)), None)
-        layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block)))
+        dtype = next(p.k.dtype.name for p in dl.parts if isinstance(p, SparseKV))  # the draft keeps its dtype
+        layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block, dtype)))
     return dataclasses.replace(draft, layers=tuple(layers))
 
 
@@ -165,6 +167,7 @@ class Refresh(Compressor):
     name: str = dataclasses.field(default="refresh", init=False)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.bulk_bits not in (0, 2, 4):
             raise ValueError(f"bulk_bits must be 0 (no quantized bulk), 2 or 4, got {self.bulk_bits}")
         if self.bulk_bits:
@@ -194,7 +197,7 @@ class Refresh(Compressor):
             q = QuantizedKV.quantize(gather_tokens(form.k, bpos), gather_tokens(form.v, bpos), bpos,
                                      bits=self.bulk_bits, group=self.bulk_group)
             bulk = QuantizedBulk(q=q, hidden=jnp.zeros(q.k_codes.shape[:3], bool))
-        return selected_parts(form, pos, bulk, self.block)
+        return selected_parts(form, pos, bulk, self.block, self.draft_dtype)
 
     def __call__(self, params, config, full, prompt, *, recent_slots: int) -> DraftCache:
         draft = super().__call__(params, config, full, prompt, recent_slots=recent_slots)

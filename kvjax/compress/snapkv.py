@@ -12,8 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvjax.cache.draft import SparseKV
-from kvjax.compress.base import Compressor, gather_tokens, protected_mask, topk_positions
+from kvjax.compress.base import Compressor, protected_mask, sparse_part, topk_positions
 from kvjax.compress.scoring import attention_received
 
 
@@ -58,4 +57,4 @@ class SnapKV(Compressor):
 
     def layer_parts(self, i, form, length, prompt_len, data):
         pos = select_protected(form, length, self.budget(prompt_len), data["scores"][i], self.sinks, data["window"])
-        return (SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos),)
+        return (sparse_part(form, pos, self.draft_dtype),)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache.draft import SparseKV
-from kvjax.compress.base import Compressor, gather_tokens, sinks_and_recent
+from kvjax.compress.base import Compressor, sinks_and_recent, sparse_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,4 +18,4 @@ class StreamingLLM(Compressor):
     def layer_parts(self, i, form, length, prompt_len, data):
         C = self.budget(prompt_len)
         pos = sinks_and_recent(length, self.sinks, C - self.sinks)
-        return (SparseKV(k=gather_tokens(form.k, pos), v=gather_tokens(form.v, pos), pos=pos),)
+        return (sparse_part(form, pos, self.draft_dtype),)
