@@ -44,18 +44,29 @@ from bench_common import STATIC_DRAFTERS, heldout_prompts, load_bench_model, run
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
 
-def parse_compressor(spec: str) -> tuple[str, dict]:
-    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2') -> (name, fields)
-    over this benchmark's defaults for that name."""
+def _field_value(value: str):
+    """A field's value as written: int, float, else the string (e.g. draft_dtype=bfloat16)."""
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_compressor(spec: str, overrides: dict | None = None) -> tuple[str, dict]:
+    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2',
+    'refresh:ratio=8:draft_dtype=bfloat16') -> (name, fields) over this benchmark's defaults for that name, updated
+    by `overrides` (--ratio, --draft-dtype) and then by the spec's own fields."""
     name, *fields = spec.split(":")
     if name not in COMPRESSORS:
         raise SystemExit(f"bench_vericache: error: unknown compressor {name!r}; expected one of {sorted(COMPRESSORS)}")
-    kw = dict(COMPRESSORS[name])
+    kw = {**COMPRESSORS[name], **(overrides or {})}
     for f in fields:
         key, eq, value = f.partition("=")
         if not eq:
             raise SystemExit(f"bench_vericache: error: {f!r} in {spec!r} is not field=value")
-        kw[key] = float(value) if "." in value else int(value)
+        kw[key] = _field_value(value)
     return name, kw
 
 
@@ -104,7 +115,13 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--draft-len", type=int, default=32)
-    ap.add_argument("--compressors", default="streaming,snapkv,kvzip,kivi4,kivi2,dropquant")
+    ap.add_argument("--compressors", default="streaming,snapkv,kvzip,kivi4,kivi2,dropquant",
+                    help="comma list of drafters, each 'name' or 'name:field=value:...' (e.g. "
+                         "'refresh,refresh:ratio=8:draft_dtype=bfloat16' compares two settings in one run)")
+    ap.add_argument("--ratio", type=float, default=None,
+                    help="compression ratio of every drafter (default: each one's, 4x for the token droppers)")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="dtype of the drafts' full-precision prompt parts (default float32)")
     ap.add_argument("--offload", default="kvzip", help="compressors also run offloaded (comma list, or 'none')")
     ap.add_argument("--adaptive", default=None, help="drafters also run with adaptive x (comma list; default: the "
                                                       "first of --compressors)")
@@ -124,10 +141,15 @@ def main(argv=None):
     off = [] if args.offload == "none" else [c for c in args.offload.split(",") if c in names]
     if not args.no_baselines:  # the MagicDec- and QuantSpec-style baselines draft with these two
         names += [b for b in ("streaming", "kivi4") if b not in names and b in model.family.compressors]
-    comps = {}
+    overrides = {k: v for k, v in (("ratio", args.ratio), ("draft_dtype", args.draft_dtype)) if v is not None}
+    comps, comp_fields = {}, {}
     for c in names:
-        name, fields = parse_compressor(c)
-        comps[c] = model.family.make_compressor(name, **fields)
+        name, fields = parse_compressor(c, overrides)
+        try:
+            comps[c] = model.family.make_compressor(name, **fields)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"bench_vericache: error: compressor {c!r}: {e}") from None
+        comp_fields[c] = fields
     print(f"[bench] prompts: {len(prompts)} x {P} tokens ({source}); new tokens {M}; x = {x}; "
           f"capacity {vc.capacity_for(P, M, xmax)}; devices {jax.devices()}")
 
@@ -252,7 +274,7 @@ def main(argv=None):
         records.append(rec)
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
-                           prompt_source=source, model=model_name,
+                           prompt_source=source, model=model_name, compressor_fields=comp_fields,
                            full_ms_per_token=1000 / full_tps, weight_bytes=tree_nbytes(model.params),
                            **run_meta()),
                plain_vs_reference=dict(mean_token_agreement=float(np.mean(plain_agree)),
