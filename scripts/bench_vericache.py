@@ -114,7 +114,9 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=32768, help="cache bucket; prompts fill it minus new tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=50)
-    ap.add_argument("--draft-len", type=int, default=32)
+    ap.add_argument("--draft-len", default="32",
+                    help="x, or a comma list: the first is every contender's x (and the reference's), each further "
+                         "one adds a contender vc[c]@x=N per drafter, interleaved in the same run")
     ap.add_argument("--compressors", default="streaming,snapkv,kvzip,kivi4,kivi2,dropquant",
                     help="comma list of drafters, each 'name' or 'name:field=value:...' (e.g. "
                          "'refresh,refresh:ratio=8:draft_dtype=bfloat16' compares two settings in one run)")
@@ -126,15 +128,21 @@ def main(argv=None):
     ap.add_argument("--adaptive", default=None, help="drafters also run with adaptive x (comma list; default: the "
                                                       "first of --compressors)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the MagicDec/QuantSpec/adaptive configs")
+    ap.add_argument("--no-lossy", action="store_true", help="skip the lossy (draft-cache-only) decoders")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_vericache.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
     args = ap.parse_args(argv)
 
     model, model_name = load_bench_model(args.checkpoint, args.random)
-    M, x = args.new_tokens, args.draft_len
+    try:
+        x, *extra_x = [int(v) for v in args.draft_len.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"bench_vericache: error: --draft-len {args.draft_len!r} is not a comma list of integers") \
+            from None
+    M = args.new_tokens
     xs_adapt = DEFAULT_SET
-    xmax = max(x, *xs_adapt, 8)
+    xmax = max(x, *extra_x, *xs_adapt, 8)
     P = args.context - M - xmax - 2  # the whole run fits the --context capacity bucket
     prompts, source = heldout_prompts(model, model_name, P, args.prompts, args.seed)
     names = [c for c in args.compressors.split(",") if c]
@@ -154,8 +162,9 @@ def main(argv=None):
           f"capacity {vc.capacity_for(P, M, xmax)}; devices {jax.devices()}")
 
     contenders = [("full", None), ("reference", None)]
-    contenders += [(f"lossy[{c}]", c) for c in names]
+    contenders += [] if args.no_lossy else [(f"lossy[{c}]", c) for c in names]
     contenders += [(f"vc[{c}]", c) for c in names]
+    contenders += [(f"vc[{c}]@x={xi}", c) for xi in extra_x for c in names]
     contenders += [(f"vc[{c}]+offload", c) for c in off]
     if not args.no_baselines:
         contenders += [(n, c) for n, c in (("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"))
@@ -202,6 +211,8 @@ def main(argv=None):
                         kw["draft_len"] = 4
                     elif name.startswith("quantspec"):
                         kw["draft_len"] = 8
+                    elif "@x=" in name:
+                        kw["draft_len"] = int(name.rsplit("@x=", 1)[1])
                     elif name.startswith("vc-adaptive"):
                         kw.update(draft_len=8, adaptive=xs_adapt)
                         if warm and rep == 0:  # compile every length it may pick, so no timed round compiles
@@ -274,6 +285,7 @@ def main(argv=None):
         records.append(rec)
 
     out = dict(config=dict(context=args.context, prompt_tokens=P, new_tokens=M, prompts=n_p, draft_len=x,
+                           extra_draft_lens=extra_x,
                            prompt_source=source, model=model_name, compressor_fields=comp_fields,
                            full_ms_per_token=1000 / full_tps, weight_bytes=tree_nbytes(model.params),
                            **run_meta()),
