@@ -132,7 +132,9 @@ def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec
         end = _ring_start(dl.recent.pos, draft.length)
         pos = select_blocks(mass, end, spec)
         bulk = next((p for p in dl.parts if isinstance(p, QuantizedBulk)), None)
-        dtype = next(p.k.dtype.name for p in dl.parts if isinstance(p, SparseKV))  # the draft keeps its dtype
+        # the draft keeps its dtype; a row without its parts (the scheduler's, whose `put_parts` casts them to the
+        # batch's dtype) gathers float32
+        dtype = next((p.k.dtype.name for p in dl.parts if isinstance(p, SparseKV)), "float32")
         layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block, dtype)))
     return dataclasses.replace(draft, layers=tuple(layers))
 

@@ -84,3 +84,14 @@ def test_an_unknown_draft_dtype_is_one_clear_error(name, bad):
         make_compressor(name, draft_dtype=bad)
     assert make_compressor(name, draft_dtype="bfloat16").draft_dtype == "bfloat16"
     assert make_compressor(name).draft_dtype == "float32"
+
+
+@pytest.mark.slow  # a batch through the scheduler (~40 s on CI)
+def test_bf16_refresh_draft_in_the_scheduler_is_exact(hf_model_dir):
+    """The scheduler re-selects a row without its parts and writes them into the batch's (bf16) slots."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    prompts = [_prompt(140, seed=6), _prompt(100, seed=7)]
+    outs = kvjax.generate_vericache(m, prompts, 16, compressor="refresh",
+                                    compressor_kw=dict(REFRESH, draft_dtype="bfloat16"), draft_len=4, ignore_eos=True)
+    for p, g in zip(prompts, outs):
+        np.testing.assert_array_equal(g.tokens, kvjax.reference_decode(m, p, 16, draft_len=4).tokens)
