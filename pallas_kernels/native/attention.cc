@@ -33,7 +33,9 @@
 // bf16 keys and values (a draft cache stored at half the bytes) are read directly, never copied to f32 first: a
 // bf16 -> f32 conversion is exact (the 16 bits shifted into the high half), done as keys are transposed into the L1
 // panel and as values are loaded into registers for p.V; from there the arithmetic is the f32 path's. So attending
-// to bf16 K/V gives bit for bit what attending to the same values stored as f32 gives.
+// to bf16 K/V gives bit for bit what attending to the same values stored as f32 gives. Measured (draft attention per
+// layer at 32K: 1 row x 8 heads, 4 KV heads, D = 32, interleaved, median of 300): 8,192 slots (a 4x draft) bf16
+// 0.69 ms vs f32 1.27 ms; 4,096 slots (8x) 0.39 vs 0.47 ms.
 //
 // Measured (2-core EPYC Zen 3, AVX2, a shared and loaded machine; per layer, this kernel / the previous one of 8-lane
 // partials + hadd tree, interleaved in one process, best of 10-40 runs): >= 17 rows per KV head 0.61-0.88x (33 x 2
@@ -53,6 +55,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -309,11 +312,21 @@ inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float*
         // r[i] = [key i, d0..d0+3 | key i+4, d0..d0+3], r[4+i] the same for d0+4..d0+7: a 4x4 transpose within
         // each 128-bit half then gives the 8 keys of one d per register.
         __m256 r[8];
-        for (int i = 0; i < 4; ++i) {
-          r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0)), Load4(k0 + (i + 4) * D + d0),
-                                      1);
-          r[4 + i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0 + 4)),
-                                          Load4(k0 + (i + 4) * D + d0 + 4), 1);
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          // bf16: one load-and-widen per key (its 8 values of d0..d0+7), then the halves paired across keys i, i+4
+          __m256 w[8];
+          for (int i = 0; i < 8; ++i) w[i] = Load8(k0 + i * D + d0);
+          for (int i = 0; i < 4; ++i) {
+            r[i] = _mm256_permute2f128_ps(w[i], w[i + 4], 0x20);
+            r[4 + i] = _mm256_permute2f128_ps(w[i], w[i + 4], 0x31);
+          }
+        } else {
+          for (int i = 0; i < 4; ++i) {
+            r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0)),
+                                        Load4(k0 + (i + 4) * D + d0), 1);
+            r[4 + i] = _mm256_insertf128_ps(_mm256_castps128_ps256(Load4(k0 + i * D + d0 + 4)),
+                                            Load4(k0 + (i + 4) * D + d0 + 4), 1);
+          }
         }
         for (int h = 0; h < 2; ++h) {
           __m256* x = r + 4 * h;
