@@ -45,8 +45,9 @@ COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {
 
 
 def parse_compressor(spec: str) -> tuple[str, dict]:
-    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2') -> (name, fields)
-    over this benchmark's defaults for that name."""
+    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2',
+    'refresh:draft_weights=bfloat16') -> (name, fields) over this benchmark's defaults for that name; values are
+    ints, floats (with a '.') or else strings."""
     name, *fields = spec.split(":")
     if name not in COMPRESSORS:
         raise SystemExit(f"bench_vericache: error: unknown compressor {name!r}; expected one of {sorted(COMPRESSORS)}")
@@ -55,7 +56,10 @@ def parse_compressor(spec: str) -> tuple[str, dict]:
         key, eq, value = f.partition("=")
         if not eq:
             raise SystemExit(f"bench_vericache: error: {f!r} in {spec!r} is not field=value")
-        kw[key] = float(value) if "." in value else int(value)
+        try:
+            kw[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            kw[key] = value
     return name, kw
 
 

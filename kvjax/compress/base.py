@@ -98,10 +98,14 @@ class Compressor:
     Attributes:
         ratio: full prompt tokens / kept tokens per head (e.g. 4.0 keeps a quarter); quantizers ignore it.
         sinks: first tokens always kept in full precision.
+        draft_weights: the weights the draft reads, "float32" (the model's) or "bfloat16" (a bf16 copy: half the
+            bytes per draft token; verification keeps the f32 weights, so output is unchanged —
+            `kvjax.decode.draft_weights`).
     """
 
     ratio: float = 4.0
     sinks: int = 4
+    draft_weights: str = "float32"
     name: str = dataclasses.field(default="base", init=False)
 
     def budget(self, prompt_len: int) -> int:
