@@ -32,7 +32,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMaxPanel = 512;  // columns per thread unit at most: M rows' partial sums stay in L1 (M <= 8)
-constexpr int64_t kPrefetchRows = 4;  // weight rows ahead
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (in weight bytes of the panel's rows) to prefetch
 
 inline float Bf16ToF32(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -63,11 +63,12 @@ void Panel(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, in
 #else
   const int64_t nv = 0;
 #endif
+  // rows ahead: a short run per row (a narrow panel) needs more rows in flight to cover the memory latency
+  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytes / (2 * width), 2, 64);
   for (int64_t k = 0; k < K; ++k) {
     const uint16_t* row = w + k * N + n0;
-    if (k + kPrefetchRows < K)
-      for (int64_t c = 0; c < width; c += 32)
-        __builtin_prefetch(row + kPrefetchRows * N + c);
+    if (k + ahead < K)
+      for (int64_t c = 0; c < width; c += 32) __builtin_prefetch(row + ahead * N + c);
     for (int64_t m = 0; m < M; ++m) {
       float* ym = y + m * N + n0;
       const float xk = x[m * K + k];
@@ -101,17 +102,17 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::Re
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  // At least two units per thread where N allows (a loaded machine's late thread then costs less), 64-column
-  // multiples (whole cache lines of weights), at most kMaxPanel columns.
+  // Units of whole 32-column runs (a 64-byte line of bf16 weights per row), balanced: at least two per thread where
+  // N allows (a loaded machine's late thread then costs less), at most kMaxPanel columns each.
   auto& pool = kvjax_native::Pool::get();
-  const int64_t want = (N + 2 * pool.threads() - 1) / (2 * pool.threads());
-  const int64_t panel = std::clamp<int64_t>((want + 63) / 64 * 64, 64, kMaxPanel);
-  const int64_t units = (N + panel - 1) / panel;
+  const int64_t runs = (N + 31) / 32;
+  const int64_t units = std::min(runs, std::max<int64_t>(2 * pool.threads(), (N + kMaxPanel - 1) / kMaxPanel));
   // Rows in groups of 8 so a group's partial sums stay in L1 whatever M is.
   const int64_t groups = (M + 7) / 8;
   pool.Run(units * groups, [&](int64_t u) {
     const int64_t p = u % units, g = u / units, m0 = g * 8, mn = std::min<int64_t>(8, M - m0);
-    Panel(xp + m0 * K, wp, yp + m0 * N, mn, K, N, p * panel, std::min(N, (p + 1) * panel));
+    const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
+    if (n0 < n1) Panel(xp + m0 * K, wp, yp + m0 * N, mn, K, N, n0, n1);
   });
   return ffi::Error::Success();
 }
