@@ -8,9 +8,11 @@ Every public function takes `implementation=` (None = "pallas" on GPU, `active_c
 from pallas_kernels.attention import (attend, compressed_attention, decode_attention, verify_attention,
                                       window_attention)
 from pallas_kernels.backend import IMPLEMENTATIONS, active_cpu_implementation, resolve
+from pallas_kernels.linear import bf16_weights_supported, linear
 from pallas_kernels.online_softmax import combine, finalize
 from pallas_kernels.quantized import quantized_attention
 from pallas_kernels.sparse import sparse_attention
 
-__all__ = ["IMPLEMENTATIONS", "active_cpu_implementation", "attend", "combine", "compressed_attention", "decode_attention", "finalize",
-           "quantized_attention", "resolve", "sparse_attention", "verify_attention", "window_attention"]
+__all__ = ["IMPLEMENTATIONS", "active_cpu_implementation", "attend", "bf16_weights_supported", "combine",
+           "compressed_attention", "decode_attention", "finalize", "linear", "quantized_attention", "resolve",
+           "sparse_attention", "verify_attention", "window_attention"]

@@ -67,6 +67,7 @@ def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
 
 
 DRAFT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DRAFT_WEIGHTS = ("float32", "bfloat16")  # the weights a draft reads (`kvjax.decode.draft_weights`)
 
 
 def sparse_part(form, pos: jax.Array, dtype: str = "float32", gather=gather_tokens) -> SparseKV:
@@ -113,16 +114,22 @@ class Compressor:
         ratio: full prompt tokens / kept tokens per head (e.g. 4.0 keeps a quarter); quantizers ignore it.
         sinks: first tokens always kept in full precision.
         draft_dtype: "float32" (default) or "bfloat16": the dtype of the kept tokens' keys and values (keyword only).
+        draft_weights: the weights the draft reads, "float32" (the model's) or "bfloat16" (a bf16 copy: half the
+            bytes per draft token; verification keeps the f32 weights, so output is unchanged —
+            `kvjax.decode.draft_weights`; keyword only).
     """
 
     ratio: float = 4.0
     sinks: int = 4
     name: str = dataclasses.field(default="base", init=False)
     draft_dtype: str = dataclasses.field(default="float32", kw_only=True)
+    draft_weights: str = dataclasses.field(default="float32", kw_only=True)
 
     def __post_init__(self):
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
 
     def budget(self, prompt_len: int) -> int:
         """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32)."""

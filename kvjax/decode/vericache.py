@@ -29,6 +29,7 @@ from kvjax.decode import refresh as refresh_mod
 from kvjax.decode import sampling, steps
 from kvjax.decode import verify as verify_mod
 from kvjax.decode.draft_length import make_policy
+from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.decode.metrics import RunMetrics
 from kvjax.errors import InputError
 
@@ -103,6 +104,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
     if rejection and sampling.as_sampling(temperature).greedy:
         raise InputError("rejection sampling needs temperature > 0")
     comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+    check_draft_weights(getattr(comp, "draft_weights", "float32"), model.family.name)
     xs = _draft_lengths(model, draft_len, adaptive)
     full, first, first_logits = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
                                             temperature=temperature, seed=seed, return_logits=True)
@@ -149,12 +151,14 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     xmax = xs[-1]
     seed_a = jnp.asarray([seed], jnp.int32)
     met = RunMetrics(name=f"vericache[{getattr(comp, 'name', type(comp).__name__)}]", params=params)
+    weights = check_draft_weights(getattr(comp, "draft_weights", "float32"), family.name)  # before any compute
     t0 = time.perf_counter()
     if draft_cache is None:
         dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
     else:
         dcache = draft_cache
-    jax.block_until_ready(dcache)
+    dparams = draft_params(model, weights)  # what drafting reads: the model's weights or their bf16 copy
+    jax.block_until_ready((dcache, dparams))
     met.compress_s = time.perf_counter() - t0
     met.full_prompt_bytes = family.read_bytes(full, P)
     fixed_bytes = family.read_bytes(full, 0)  # a verify reads these plus row_bytes per cached token
@@ -199,7 +203,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     while len(out) < max_new_tokens:
         compiled_before = metrics.jit_cache_sizes(jitted)
         ta = time.perf_counter()
-        drafts, qlog, dcache = draft_mod.draft_step(params, config, dcache, last, seed_a, x=x,
+        drafts, qlog, dcache = draft_mod.draft_step(dparams, config, dcache, last, seed_a, x=x,
                                                     temperature=temperature, rejection=rejection, family=family,
                                                     impl=impl)
         drafts.block_until_ready()

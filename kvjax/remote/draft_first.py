@@ -34,6 +34,7 @@ from kvjax.errors import CorruptEntry
 from kvjax.decode import draft as draft_mod
 from kvjax.decode import steps
 from kvjax.decode import verify as verify_mod
+from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.decode.reference import reference_step
 from kvjax.decode import vericache as vc
 from kvjax.remote import prefix_entry as pe
@@ -255,6 +256,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
     comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+    dparams = draft_params(model, check_draft_weights(getattr(comp, "draft_weights", "float32"), model.family.name))
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []
     body = _find_full(model, store, ns, prompt, reasons)
@@ -294,7 +296,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     last = first
     t_ahead = time.perf_counter()
     while len(queue) + x <= ahead_cap and len(queue) < M - 1 and not stream.done.is_set():
-        drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
+        drafts, _, dcache = draft_mod.draft_step(dparams, config, dcache, last, seed, x=x, family=model.family,
                                                  impl=model.attention)
         d = np.asarray(drafts[0])
         queue.extend(int(t) for t in d)
@@ -321,7 +323,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             drafts = jnp.asarray(np.asarray(queue[:x], np.int32)[None])
         else:
             queue = []
-            drafts, _, dcache = draft_mod.draft_step(params, config, dcache, last, seed, x=x, family=model.family,
+            drafts, _, dcache = draft_mod.draft_step(dparams, config, dcache, last, seed, x=x, family=model.family,
                                                      impl=model.attention)
         emitted, n, full, dcache, _, _ = verify_mod.verify_step(
             params, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,

@@ -64,7 +64,9 @@ def prefix_key(ns: Namespace, tokens) -> str:
 
 def draft_identity(compressor, recent_slots: int) -> dict:
     """The draft cache's representation identity: compressor name + all its settings + ring size + format."""
-    settings = {f.name: getattr(compressor, f.name) for f in dataclasses.fields(compressor)}
+    # every setting that shapes the draft's keys and values; not the weights drafting reads (`draft_weights`)
+    settings = {f.name: getattr(compressor, f.name) for f in dataclasses.fields(compressor)
+                if f.name != "draft_weights"}
     return {"format": DRAFT_FORMAT, "compressor": compressor.name, "settings": canonical(settings),
             "recent_slots": int(recent_slots)}
 

@@ -48,6 +48,7 @@ from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
 from kvjax.decode import verify as verify_mod
+from kvjax.decode.draft_weights import draft_params
 from kvjax.decode.refresh import refresh_step
 from kvjax.errors import BudgetError, InputError
 from kvjax.scheduling import batch_steps as ss
@@ -116,6 +117,8 @@ class VeriCacheScheduler:
         self.model = model
         self.budget = int(budget_bytes)
         self.comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+        # what drafting reads: the model's weights, or their bf16 copy (`kvjax.decode.draft_weights`)
+        self.draft_params = draft_params(model, getattr(self.comp, "draft_weights", "float32"))
         self.x = draft_len
         self.mode = mode
         self.stagger = stagger
@@ -309,7 +312,7 @@ class VeriCacheScheduler:
         # one more dispatch, a measurable share of a one-token draft iteration). Copies: on the CPU a numpy argument
         # may be used in place, and these host arrays are updated while the call may still be running.
         self.batch, self.drafts, _ = ss.draft_slots(
-            self.model.params, self.model.config, b, self.last.copy(), d, self.count.copy(),
+            self.draft_params, self.model.config, b, self.last.copy(), d, self.count.copy(),
             limit, self.seeds.copy(), steps=steps, temperature=self.temperature, family=self.model.family,
             impl=self.model.attention)
         moving = self.count < limit

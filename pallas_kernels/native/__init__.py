@@ -1,4 +1,5 @@
-"""Kernel 0 as native CPU code (`attention.cc`, an XLA FFI custom call), built on first use and loaded through jax.ffi.
+"""Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
+(`attention.cc`) and a product with bf16 weights (`matmul.cc`, `matmul_bf16`: what a draft with bf16 weights reads).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the source's hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -31,8 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("attention.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "attention.cc", HERE / "matmul.cc")  # compiled into one library
+HEADERS = (HERE / "pool.h",)
 TARGET = "kvjax_attend"
+MATMUL_TARGET = "kvjax_matmul_bf16"
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -68,8 +72,8 @@ def _compile(cxx: str, flags: list[str], out: Path) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE),
-           "-o", tmp]
+    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{jax.ffi.include_dir()}",
+           *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -98,7 +102,8 @@ def _build() -> dict:
         return dict(ok=False, reason=f"{cxx} --version failed: {e}")
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), jax.__version__, jax.lib.__version__, cxx, version,
+        texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+        key = hashlib.sha256("\0".join([*texts, jax.__version__, jax.lib.__version__, cxx, version,
                                         " ".join(flags), _cpu_fingerprint()]).encode()).hexdigest()[:20]
         lib = _cache_dir() / f"kvjax_attention_{key}.so"
         if not lib.exists():
@@ -109,6 +114,7 @@ def _build() -> dict:
         try:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue

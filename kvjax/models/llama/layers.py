@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kvjax.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 from kvjax.models.llama.config import ModelConfig
+from pallas_kernels import linear
 
 Params = dict[str, Any]
 
@@ -30,6 +31,8 @@ def fuse_projections(params: Params) -> Params:
     sharding by heads, training) stays unfused.
     """
     def fuse(layer):
+        if "wqkv" in layer:  # already fused (a draft's weights are stored fused)
+            return layer
         layer = dict(layer)
         layer["wqkv"] = jnp.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
         if "bq" in layer:
@@ -45,7 +48,7 @@ def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax
     B, T, _ = h.shape
     N, K, D = config.num_heads, config.num_kv_heads, config.head_dim
     if "wqkv" in layer:  # fuse_projections' layout
-        qkv = h @ layer["wqkv"]
+        qkv = linear(h, layer["wqkv"])
         if config.attention_bias:
             qkv = qkv + layer["bqkv"]
         q, k, v = qkv[..., :N * D], qkv[..., N * D:(N + K) * D], qkv[..., (N + K) * D:]
@@ -85,11 +88,11 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = project_qkv(config, layer, h, positions)
         out, state, aux = attend(i, state, q, k, v)
-        x = x + out.reshape(B, T, -1) @ layer["wo"]
+        x = x + linear(out.reshape(B, T, -1), layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
         if "w_gate_up" in layer:  # fuse_projections' layout
-            gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-            x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+            gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
+            x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
         else:
             x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
         new_states.append(state)
@@ -99,5 +102,6 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
 
 def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
     """Logits f32[B, T, V] of final hidden states [B, T, H] (tied embeddings or `lm_head`)."""
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return (h @ head).astype(jnp.float32)
+    # a draft's weights (`kvjax.decode.draft_weights`) carry their own [H, V] head even when embeddings are tied
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return linear(h, head).astype(jnp.float32)

@@ -1,0 +1,58 @@
+"""A draft's weights: the same model's weights stored in bf16, read by drafting only.
+
+A draft token reads every weight once, so with f32 weights it costs most of a full decode step however small its
+cache (SmolLM2-135M at 8K: weights are 538 MB of a draft token's ~630 MB). Drafts only need to be good, not exact:
+verification still runs the f32 weights over the full cache, so the output stays bit-identical to full-cache decoding
+whatever the draft reads (`draft_weights="bfloat16"` changes acceptance, never tokens). QuantSpec (arXiv 2502.10424)
+quantizes the draft's cache for the same reason.
+
+The bf16 copy is made once per model and kept (half the f32 weights' bytes), fused the way the one-token loops read
+them (`family.loop_params`) and with the output head as its own [H, V] matrix; its products go through
+`pallas_kernels.linear` (the native kernel on CPU reads bf16 directly; XLA:CPU would convert to f32 first).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import pallas_kernels
+from kvjax.compress.base import DRAFT_WEIGHTS
+from kvjax.errors import InputError
+
+_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+_cache: dict = {}  # id(params) -> (params, draft params): the params are held so the id cannot be reused
+
+
+def check_draft_weights(name: str, family_name: str | None = None) -> str:
+    """`name` if it is a draft weights dtype this family drafts with here, else InputError naming why."""
+    if name not in DRAFT_WEIGHTS:
+        raise InputError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {name!r}")
+    if name == "float32":
+        return name
+    if family_name is not None and family_name != "llama":
+        raise InputError(f"draft_weights={name!r} is supported for the llama family (llama, qwen2), not {family_name}")
+    ok, why = pallas_kernels.bf16_weights_supported()
+    if not ok:
+        raise InputError(f"draft_weights={name!r} needs a product that reads bf16 weights here: {why}")
+    return name
+
+
+def draft_params(model, weights: str = "float32"):
+    """The params drafting reads: `model.params` for "float32"; for "bfloat16" the fused bf16 copy (made on first
+    use, then kept while the model's params live)."""
+    if weights == "float32":
+        return model.params
+    check_draft_weights(weights, model.family.name)
+    hit = _cache.get(id(model.params))
+    if hit is not None and hit[0] is model.params:
+        return hit[1]
+    params = model.family.loop_params(model.params)
+    dtype = jnp.dtype(weights)
+    layers = tuple({k: (v.astype(dtype) if k in _PROJECTIONS else v) for k, v in layer.items()}
+                   for layer in params["layers"])
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    out = dict(params, layers=layers, lm_head=jnp.asarray(head, dtype))
+    if len(_cache) >= 4:  # a process rarely holds more than a model or two; never grow without bound
+        _cache.pop(next(iter(_cache)))
+    _cache[id(model.params)] = (model.params, out)
+    return out

@@ -1,0 +1,58 @@
+"""Drafting with bf16 weights (`kvjax.decode.draft_weights`): cheaper drafts, output unchanged bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.compress import make_compressor
+from kvjax.decode.draft_weights import check_draft_weights, draft_params
+from kvjax.remote import prefix_entry as pe
+from pallas_kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 draft weights need the native kernel on CPU")
+
+
+def _prompt(n=120, seed=0):
+    return np.random.default_rng(seed).integers(0, 97, n).astype(np.int32)
+
+
+def test_bf16_draft_weights_keep_vericache_exact(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt(seed=3)
+    r = kvjax.reference_decode(m, p, 20, draft_len=4, return_logits=True)
+    for compressor, kw in [("refresh", dict(block=8, recent_blocks=2, obs_window=8, min_drafts=0)), ("snapkv", {})]:
+        g = kvjax.generate_vericache(m, p, 20, compressor=compressor, draft_len=4, ignore_eos=True, return_logits=True,
+                                     compressor_kw=dict(kw, draft_weights="bfloat16"))
+        np.testing.assert_array_equal(g.tokens, r.tokens)
+        np.testing.assert_array_equal(g.logits, r.logits)
+        assert g.stats["mean_accepted_per_round"] > 0  # the bf16 draft still predicts the model's tokens
+
+
+def test_draft_params_are_a_fused_bf16_copy_made_once(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    assert draft_params(m, "float32") is m.params
+    d = draft_params(m, "bfloat16")
+    assert draft_params(m, "bfloat16") is d  # kept, not rebuilt per call
+    layer = d["layers"][0]
+    assert {"wqkv", "w_gate_up"} <= set(layer) and "wq" not in layer
+    assert all(layer[k].dtype == jnp.bfloat16 for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size) and d["lm_head"].dtype == jnp.bfloat16
+    assert m.params["layers"][0]["wq"].dtype == jnp.float32  # the model's own weights are untouched
+
+
+def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    with pytest.raises(ValueError, match="draft_weights must be one of"):
+        kvjax.generate_vericache(m, _prompt(), 4, compressor="snapkv", compressor_kw=dict(draft_weights="int3"))
+    with pytest.raises(kvjax.InputError, match="draft_weights must be one of"):
+        check_draft_weights("int8")
+    with pytest.raises(kvjax.InputError, match="llama family"):
+        check_draft_weights("bfloat16", "deepseek_v4")
+    # the weights drafting reads do not change the draft cache's keys and values: same stored-draft identity
+    c = make_compressor("snapkv")
+    assert pe.draft_identity(c, 64) == pe.draft_identity(dataclasses.replace(c, draft_weights="bfloat16"), 64)
