@@ -1,7 +1,7 @@
 """Kernel 0 as native CPU code (`attention.cc`, an XLA FFI custom call), built on first use and loaded through jax.ffi.
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
-the source's hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
+the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
 installed editable (a setuptools build step would not re-run when the source changes, and would need jaxlib's headers
 at build-isolation time); a key that includes the CPU keeps a `-march=native` library built on one machine from ever
 running on another that shares the home directory. The compiler is `$CXX`, else `c++`/`g++`; the flags
@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("attention.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "attention.cc",)  # compiled into one library
+HEADERS = (HERE / "pool.h", HERE / "simd.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 _lock = threading.Lock()
 _state: dict = {}
@@ -68,8 +70,8 @@ def _compile(cxx: str, flags: list[str], out: Path) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE),
-           "-o", tmp]
+    cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{jax.ffi.include_dir()}",
+           *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -98,8 +100,9 @@ def _build() -> dict:
         return dict(ok=False, reason=f"{cxx} --version failed: {e}")
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), jax.__version__, jax.lib.__version__, cxx, version,
-                                        " ".join(flags), _cpu_fingerprint()]).encode()).hexdigest()[:20]
+        texts = [p.read_text() for p in SOURCES + HEADERS]
+        key = hashlib.sha256("\0".join([*texts, jax.__version__, jax.lib.__version__, cxx, version, " ".join(flags),
+                                        _cpu_fingerprint()]).encode()).hexdigest()[:20]
         lib = _cache_dir() / f"kvjax_attention_{key}.so"
         if not lib.exists():
             err = _compile(cxx, flags, lib)
