@@ -1,6 +1,13 @@
 """Attention scores as a side computation: where queries put their softmax mass over a cache, block by block.
 
-Used to choose what a draft cache keeps (`kvjax.compress.refresh`); never part of a forward's own arithmetic.
+Used to choose what a draft cache keeps (`kvjax.compress.refresh`); never part of a forward's own arithmetic, so the
+implementation may differ from the reference by f32 rounding without touching VeriCache's exactness (it only has to be
+deterministic: the same inputs give the same bits, so a run's selections are reproducible).
+
+On CPU, where the native library builds (`pallas_kernels.native.available()`, off with `KVJAX_NATIVE=0`), f32 inputs
+take the native kernel (`pallas_kernels/native/block_mass.cc`: one pass over the keys); elsewhere, and for other
+dtypes, the jnp reference (`block_mass_reference`: the definition; XLA's einsum on a GPU). Measured on the 2-core
+EPYC at the bundled model's shape, 32K slots: see `scripts/bench_refresh_step.py`.
 """
 
 from __future__ import annotations
@@ -9,9 +16,26 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.models.attention import MASK_VALUE, visible
+from pallas_kernels import native
+from pallas_kernels.native.block_mass import block_mass as native_block_mass
 
 
 def block_mass(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, block: int) -> jax.Array:
+    """Softmax mass f32[B, K, ceil(S / block)] that queries q [B, R, N, D] at q_pos i32[B, R] put on each block of
+    keys k [B, K, S, D] (positions k_pos i32[B, S]), summed over each KV head's query group and the R rows (the
+    definition: `block_mass_reference`). The native kernel on CPU for f32 inputs where it builds, else the reference."""
+    if uses_native(q, k):
+        return native_block_mass(q, k, q_pos, k_pos, block)
+    return block_mass_reference(q, k, q_pos, k_pos, block)
+
+
+def uses_native(q: jax.Array, k: jax.Array) -> bool:
+    """Whether `block_mass` takes the native kernel for these (static) shapes and dtypes on the current backend."""
+    return (jax.default_backend() == "cpu" and q.dtype == jnp.float32 and k.dtype == jnp.float32
+            and native.available())
+
+
+def block_mass_reference(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, block: int) -> jax.Array:
     """Softmax mass f32[B, K, S // block] that queries q [B, R, N, D] at q_pos i32[B, R] put on each block of keys
     k [B, K, S, D] (positions k_pos i32[B, S]), summed over each KV head's query group and the R rows."""
     B, R, N, D = q.shape

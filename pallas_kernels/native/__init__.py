@@ -1,4 +1,5 @@
-"""Kernel 0 as native CPU code (`attention.cc`, an XLA FFI custom call), built on first use and loaded through jax.ffi.
+"""Kernel 0 as native CPU code (`attention.cc`, an XLA FFI custom call), built on first use and loaded through jax.ffi;
+in the same library, the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -32,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cc",)  # compiled into one library
+SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc")  # compiled into one library
 HEADERS = (HERE / "pool.h", HERE / "simd.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
+BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -112,6 +114,7 @@ def _build() -> dict:
         try:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+            jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue
