@@ -20,17 +20,29 @@ from pallas_kernels import native
 from pallas_kernels.native.block_mass import block_mass as native_block_mass
 
 
-def block_mass(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, block: int) -> jax.Array:
+# The implementation `block_mass` takes when called without one: None (the default) picks per backend and dtype
+# (`uses_native`); "xla" or "native" forces one (benchmarks compare them in one run; set before tracing).
+IMPLEMENTATION: str | None = None
+
+
+def block_mass(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: jax.Array, block: int, *,
+               implementation: str | None = None) -> jax.Array:
     """Softmax mass f32[B, K, ceil(S / block)] that queries q [B, R, N, D] at q_pos i32[B, R] put on each block of
     keys k [B, K, S, D] (positions k_pos i32[B, S]), summed over each KV head's query group and the R rows (the
-    definition: `block_mass_reference`). The native kernel on CPU for f32 inputs where it builds, else the reference."""
-    if uses_native(q, k):
+    definition: `block_mass_reference`).
+
+    implementation: None (the module's IMPLEMENTATION, by default: the native kernel on CPU for f32 inputs where it
+    builds, else the reference), "native" (raises where it cannot build) or "xla" (the jnp reference)."""
+    impl = implementation or IMPLEMENTATION
+    if impl not in (None, "xla", "native"):
+        raise ValueError(f"implementation must be None, 'xla' or 'native', got {impl!r}")
+    if impl == "native" or (impl is None and uses_native(q, k)):
         return native_block_mass(q, k, q_pos, k_pos, block)
     return block_mass_reference(q, k, q_pos, k_pos, block)
 
 
 def uses_native(q: jax.Array, k: jax.Array) -> bool:
-    """Whether `block_mass` takes the native kernel for these (static) shapes and dtypes on the current backend."""
+    """Whether `block_mass` picks the native kernel for these (static) shapes and dtypes on the current backend."""
     return (jax.default_backend() == "cpu" and q.dtype == jnp.float32 and k.dtype == jnp.float32
             and native.available())
 
