@@ -76,7 +76,8 @@ inline __m256 Dot8(const float* q, const float* kb, int64_t D, __m256 scale) {
   }
   for (int64_t c = 8; c < D; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * D + c), a[j]);
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * D + c), a[j]);
   }
   // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: after two levels, h = [lo(a0..a3) |
   // hi(a0..a3)] with lo = (l0+l1)+(l2+l3), hi = (l4+l5)+(l6+l7); the 128-bit halves then add lo + hi per key.
@@ -154,10 +155,17 @@ void RunChunks(const MassProblem& P, int64_t b, int64_t h, int64_t c0, int64_t c
     // 1. scores, key groups outer so a group's keys are read from memory once for all rows
     int64_t j = 0;
 #if KVJAX_AVX2
+    // The next chunk's keys are prefetched into L2 while this one is scored, a group's worth (8 keys) at a time
+    // (measured at the tiny model's shape, 32K slots, 2 rows x 2 heads per KV head: 0.72-0.75x the time without).
+    const char* next = reinterpret_cast<const char*>(kt + std::min(P.S, j0 + P.ck) * D);
+    const int64_t next_bytes = std::max<int64_t>(0, std::min(P.ck, P.S - j0 - P.ck)) * D * 4;
     if (vec_dot)
-      for (; j + 8 <= n; j += 8)
+      for (; j + 8 <= n; j += 8) {
+        for (int64_t b = j * D * 4; b < std::min(next_bytes, (j + 8) * D * 4); b += 64)
+          _mm_prefetch(next + b, _MM_HINT_T1);
         for (int64_t a = 0; a < na; ++a)
           _mm256_storeu_ps(s.data() + act[a] * ckpad + j, Dot8(q[act[a]], kt + (j0 + j) * D, D, vscale));
+      }
 #endif
     for (; j < n; ++j)
       for (int64_t a = 0; a < na; ++a) s[act[a] * ckpad + j] = DotScalar(q[act[a]], kt + (j0 + j) * D, D, P.scale);
