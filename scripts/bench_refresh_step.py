@@ -172,12 +172,17 @@ def bench_smollm2_shape(slots: int, reps: int, log, obs_window: int = 16, block:
         qp = jnp.asarray(L - R + np.arange(R)[None], jnp.int32)
         layers = [(jnp.asarray(rng.normal(size=(1, R, N, D)), jnp.float32), k, qp, kp) for k in ks]
         fns = {i: masses_fn(i, block) for i in IMPLS}
-        med = interleaved({i: (lambda f=fns[i]: timed(lambda: f(layers))) for i in IMPLS}, reps)
+        contenders = {i: (lambda f=fns[i]: timed(lambda: f(layers))) for i in IMPLS}
+        floor = jax.jit(lambda ks: [jnp.sum(k) for k in ks])
+        contenders["floor"] = lambda: timed(lambda: floor(ks))
+        med = interleaved(contenders, reps)
         for i in IMPLS:
             rows.append(dict(step=f"block masses R={R} (SmolLM2-135M shape, random arrays)", implementation=i,
-                             ms=med[i] * 1e3, layers=layers_n, slots=slots, rows=R))
+                             ms=med[i] * 1e3, layers=layers_n, slots=slots, rows=R, vs_floor=med[i] / med["floor"]))
+        rows.append(dict(step=f"floor: jnp.sum over the keys (SmolLM2-135M shape, R={R} round)",
+                         ms=med["floor"] * 1e3, bytes=sum(k.nbytes for k in ks)))
         log(f"  SmolLM2 shape, {layers_n} layers, {slots} slots, R = {R:2d}: native {med['native'] * 1e3:7.2f} ms, "
-            f"XLA {med['xla'] * 1e3:7.2f} ms ({med['xla'] / med['native']:.1f}x)")
+            f"XLA {med['xla'] * 1e3:7.2f} ms ({med['xla'] / med['native']:.1f}x), floor {med['floor'] * 1e3:.2f} ms")
     return rows
 
 
