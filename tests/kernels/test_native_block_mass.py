@@ -89,6 +89,27 @@ def test_the_same_bits_on_every_call():
     assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # a second process (~10 s)
+def test_the_same_bits_on_one_thread(tmp_path):
+    """Threads split a head's keys by chunks, each chunk's arithmetic fixed: one thread gives the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    q, k, q_pos, k_pos = _case(2, 3, 64, S=9000, lengths=(8999, 5000), seed=11)  # several work units per head
+    np.savez(tmp_path / "case.npz", q=q, k=k, q_pos=q_pos, k_pos=k_pos)
+    code = ("import sys, numpy as np, jax.numpy as jnp\n"
+            "from pallas_kernels.native.block_mass import block_mass\n"
+            "a = np.load(sys.argv[1])\n"
+            "args = [jnp.asarray(a[n]) for n in ('q', 'k', 'q_pos', 'k_pos')]\n"
+            "np.save(sys.argv[2], np.asarray(block_mass(*args, 16)))\n")
+    env = dict(os.environ, KVJAX_NATIVE_THREADS="1", JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "case.npz"), str(tmp_path / "one.npy")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert np.array_equal(np.load(tmp_path / "one.npy"), _native(q, k, q_pos, k_pos, 16))
+
+
 def test_block_mass_takes_the_native_kernel_on_cpu_for_f32(monkeypatch):
     q, k, q_pos, k_pos = _case(2, 2, 32, S=64, lengths=(60, 30))
     trace = lambda q, k: str(jax.make_jaxpr(lambda q, k: attention_scores.block_mass(q, k, q_pos, k_pos, 16))(q, k))
