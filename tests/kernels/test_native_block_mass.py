@@ -51,6 +51,7 @@ def _reference(q, k, q_pos, k_pos, block):
     (1, 1, 32, 7, 500),  # G = 1, a block not a multiple of 8 (nor of the chunk)
     (16, 3, 64, 300, 1000),  # blocks larger than a chunk of keys
     (2, 1, 24, 16, 333),  # D not a multiple of 8: the scalar dot product
+    (3, 3, 32, 16, 500),  # 9 rows per head: rows as vector lanes, the second group of 8 with one real row
 ])
 def test_matches_the_reference(R, G, D, block, S):
     q, k, q_pos, k_pos = _case(R, G, D, S=S, lengths=(S - 50, S // 3), seed=R + G + D)
@@ -63,8 +64,9 @@ def test_matches_the_reference(R, G, D, block, S):
     assert (got[1, :, -(-(S // 3) // block):] == 0).all()  # sequence 1's empty slots carry nothing
 
 
-def test_per_head_positions_with_holes():
-    q, k, q_pos, k_pos = _case(2, 2, 32, per_head=True, seed=5)
+@pytest.mark.parametrize("R", [2, 16])
+def test_per_head_positions_with_holes(R):
+    q, k, q_pos, k_pos = _case(R, 2, 32, per_head=True, seed=5)
     np.testing.assert_allclose(_native(q, k, q_pos, k_pos, 16), _reference(q, k, q_pos, k_pos, 16), **TOL)
 
 
@@ -132,7 +134,7 @@ def test_bad_shapes_raise_naming_the_problem():
 @pytest.mark.slow  # compiles the library a second time
 def test_scalar_build_equals_the_vector_build(tmp_path):
     """The portable build (no -march=native: scalar lanes, std::fma, the same exp polynomial) gives the AVX2 build's
-    bits, ragged blocks and D = 24 (scalar in both builds) included."""
+    bits, ragged blocks, D = 24 (scalar in both builds) and rows as lanes (9 and 48 rows per head) included."""
     import ctypes
 
     if native.status().get("vector_width") != 8:
@@ -144,7 +146,7 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
     assert handle.kvjax_native_vector_width() == 1
     jax.ffi.register_ffi_target("kvjax_block_mass_scalar_test", jax.ffi.pycapsule(handle.KvjaxBlockMass),
                                 platform="cpu")
-    for R, G, D, block in [(2, 2, 32, 16), (16, 3, 64, 7), (3, 1, 24, 16)]:
+    for R, G, D, block in [(2, 2, 32, 16), (16, 3, 64, 7), (3, 1, 24, 16), (3, 3, 24, 16)]:
         q, k, q_pos, k_pos = _case(R, G, D, S=701, lengths=(698, 350), per_head=True, seed=D)
         shape = jax.ShapeDtypeStruct((2, 2, -(-701 // block)), jnp.float32)
         outs = [np.asarray(jax.ffi.ffi_call(t, shape)(q, k, q_pos, k_pos, block=np.int64(block),
