@@ -16,10 +16,11 @@
 // S-long buffer of scores, and chunks independent of each other, so threads split a head's keys (3 KV heads on 2
 // threads balance). Chunks no row can see (empty slots past the cache's end) are never read.
 //
-// Determinism: every number is one fixed sequence of roundings whatever the thread split or the build: a score is
-// 8 lane partials over d (lane d % 8: q[l] * k[l], then fma over d = l + 8, l + 16, ...) summed in simd.h's
-// Reduce8 tree, then * scale; a block's sum is 8 lane partials (key offset % 8 within the block) then Reduce8; the
-// final rescale and the sum over rows run in a fixed order. The scalar build (no AVX2/FMA, or D % 8 != 0) performs
+// Determinism: every number is one fixed sequence of roundings whatever the thread split or the build. Under 8 rows
+// per head a score is 8 lane partials over d (lane d % 8: q[l] * k[l], then fma over d = l + 8, l + 16, ...) summed
+// in simd.h's Reduce8 tree, then * scale, and a block's sum is 8 lane partials (key offset % 8 within the block) then
+// Reduce8; from 8 rows (`ChunkLanes`: rows as vector lanes) a score is one chain over d and a block's sum one chain
+// over its keys. The final rescale and the sum over rows run in a fixed order. The scalar build (no AVX2/FMA, or D % 8 != 0) performs
 // the same operations one lane at a time, so both builds give the same bits.
 //
 // Measured (scripts/bench_refresh_step.py, the 2-core EPYC shared with other jobs, medians of interleaved rounds):
