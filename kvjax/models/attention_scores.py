@@ -7,10 +7,10 @@ deterministic: the same inputs give the same bits, so a run's selections are rep
 On CPU, where the native library builds (`pallas_kernels.native.available()`, off with `KVJAX_NATIVE=0`), f32 inputs
 take the native kernel (`pallas_kernels/native/block_mass.cc`: one pass over the keys); elsewhere, and for other
 dtypes, the jnp reference (`block_mass_reference`: the definition; XLA's einsum on a GPU). Measured on the 2-core
-EPYC at the bundled model's shape, 32,768 slots (`scripts/bench_refresh_step.py`, one interleaved run on a loaded
-machine): a refresh's masses (2 verify rows, 4 layers) 0.29x XLA's time; the whole re-selection step 1.56 full-cache
-decode steps with them against 2.20 with XLA's, the rest of it now mostly the gather of the selected blocks (as many
-bytes moved as the masses read).
+EPYC at the bundled model's shape, 32,768 slots (`scripts/bench_refresh_step.py`, three interleaved runs on a shared
+machine): a refresh's masses (2 verify rows, 4 layers) 0.27-0.37x XLA's time (1.25-1.75x the memory floor of reading
+the keys once); the whole re-selection step 1.56-2.01 full-cache decode steps with them against 2.20-2.56 with
+XLA's, the rest of it now mostly the gather of the selected blocks and the top-k.
 """
 
 from __future__ import annotations

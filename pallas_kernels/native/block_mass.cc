@@ -20,12 +20,13 @@
 // per head a score is 8 lane partials over d (lane d % 8: q[l] * k[l], then fma over d = l + 8, l + 16, ...) summed
 // in simd.h's Reduce8 tree, then * scale, and a block's sum is 8 lane partials (key offset % 8 within the block) then
 // Reduce8; from 8 rows (`ChunkLanes`: rows as vector lanes) a score is one chain over d and a block's sum one chain
-// over its keys. The final rescale and the sum over rows run in a fixed order. The scalar build (no AVX2/FMA, or D % 8 != 0) performs
-// the same operations one lane at a time, so both builds give the same bits.
+// over its keys. The final rescale and the sum over rows run in a fixed order. The scalar build (no AVX2/FMA; also
+// the dot products under 8 rows at D % 8 != 0) performs the same operations one lane at a time, so both builds give
+// the same bits.
 //
-// Measured (scripts/bench_refresh_step.py, the 2-core EPYC shared with other jobs, medians of interleaved rounds):
-// the bundled model's 4 layers at 32,768 slots, 2 verify rows: 1.42x a same-run reduction over the same keys (the
-// memory floor; XLA's einsum/softmax path 4.95x); 16 rows, compute-bound, 5.3x (XLA 33x).
+// Measured (scripts/bench_refresh_step.py, the 2-core EPYC shared with other jobs, medians of interleaved rounds,
+// three runs): the bundled model's 4 layers at 32,768 slots, 2 verify rows: 1.25-1.75x a same-run reduction over the
+// same keys (the memory floor; XLA's einsum/softmax path 3.4-6.1x); 16 rows, compute-bound, 4.3x (XLA 29x).
 
 #include <algorithm>
 #include <cmath>

@@ -1,11 +1,12 @@
 """The refreshing drafter's block masses by native code (`block_mass.cc`, in the library `pallas_kernels.native`
 builds): the same definition as `kvjax.models.attention_scores.block_mass_reference`, in one pass over the keys.
 
-Measured (`scripts/bench_refresh_step.py --reps 9 --smollm2-shape`, 2-core EPYC shared with other jobs, medians of
-interleaved rounds; absolute times ran ~3x a quiet machine's, so read the ratios): the bundled model's 4 layers at
-32,768 slots, R = 2 verify rows, native 16.9 ms / XLA 59.0 ms (1.42x / 4.95x a same-run reduction over the 64 MiB of
-keys); R = 16 prompt rows 85.0 / 528 ms (compute-bound: 32 rows per KV head); SmolLM2-135M's shape (30 layers,
-9 / 3 heads, D = 64, 8,192 slots, random arrays) R = 2 34.2 / 66.3 ms (1.74x the floor), R = 16 259 / 608 ms.
+Measured (`scripts/bench_refresh_step.py --reps 9 [--smollm2-shape]`, 2-core EPYC shared with other jobs, medians of
+interleaved rounds, three runs): the bundled model's 4 layers at 32,768 slots, R = 2 verify rows, native 0.27-0.37x
+XLA's time and 1.25-1.75x a same-run reduction over the 64 MiB of keys (its memory floor; XLA 3.4-6.1x), e.g. 4.6 vs
+12.4 ms on a quiet machine; R = 16 prompt rows 0.14-0.15x XLA (17 vs 114 ms; compute-bound, 4.3x the floor);
+SmolLM2-135M's shape (30 layers, 9 / 3 heads, D = 64, 8,192 slots, random arrays) R = 2 0.52-0.59x XLA (1.5-1.7x the
+floor), R = 16 0.33x.
 """
 
 from __future__ import annotations
