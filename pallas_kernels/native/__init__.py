@@ -1,8 +1,9 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
-(`attention.cc`) and a product with bf16 weights (`matmul.cc`, `matmul_bf16`: what a draft with bf16 weights reads).
+(`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`) and a product
+with bf16 weights (`matmul.cc`, `native.matmul.matmul_bf16`: what a draft with bf16 weights reads).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
-the source's hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
+the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
 installed editable (a setuptools build step would not re-run when the source changes, and would need jaxlib's headers
 at build-isolation time); a key that includes the CPU keeps a `-march=native` library built on one machine from ever
 running on another that shares the home directory. The compiler is `$CXX`, else `c++`/`g++`; the flags
@@ -33,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cc", HERE / "matmul.cc")  # compiled into one library
-HEADERS = (HERE / "pool.h",)
+SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc")  # compiled into one library
+HEADERS = (HERE / "pool.h", HERE / "simd.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
-MATMUL_TARGET = "kvjax_matmul_bf16"
+BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
+MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -102,9 +104,9 @@ def _build() -> dict:
         return dict(ok=False, reason=f"{cxx} --version failed: {e}")
     errors = []
     for flags in FLAG_SETS:
-        texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-        key = hashlib.sha256("\0".join([*texts, jax.__version__, jax.lib.__version__, cxx, version,
-                                        " ".join(flags), _cpu_fingerprint()]).encode()).hexdigest()[:20]
+        texts = [p.read_text() for p in SOURCES + HEADERS]
+        key = hashlib.sha256("\0".join([*texts, jax.__version__, jax.lib.__version__, cxx, version, " ".join(flags),
+                                        _cpu_fingerprint()]).encode()).hexdigest()[:20]
         lib = _cache_dir() / f"kvjax_attention_{key}.so"
         if not lib.exists():
             err = _compile(cxx, flags, lib)
@@ -114,6 +116,7 @@ def _build() -> dict:
         try:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+            jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")

@@ -1,5 +1,8 @@
-// The native kernels' thread pool, shared by every kernel of the library (one set of workers per process).
-#pragma once
+// A small thread pool shared by the native kernels of this library (one pool per process: `Pool::get()` is an
+// inline function, so every translation unit of the library gets the same instance).
+
+#ifndef KVJAX_NATIVE_POOL_H_
+#define KVJAX_NATIVE_POOL_H_
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +17,7 @@
 
 namespace kvjax_native {
 
+// ------------------------------------------------------------------------------------------------ a small pool
 // XLA:CPU runs this custom call on one of its threads; the pool adds workers for the duration of a call. A call that
 // finds the pool busy (another attention running concurrently) runs on its own thread. The caller takes units itself
 // and waits only for units a worker has claimed, never for a worker to wake up: on a loaded machine a sleeping
@@ -104,3 +108,5 @@ class Pool {
 };
 
 }  // namespace kvjax_native
+
+#endif  // KVJAX_NATIVE_POOL_H_

@@ -1,0 +1,81 @@
+// Vector helpers shared by the native kernels of this library: the f32 exponential (an AVX2 form and a scalar form
+// with the same roundings) and the fixed-order reductions of 8 lane partials.
+
+#ifndef KVJAX_NATIVE_SIMD_H_
+#define KVJAX_NATIVE_SIMD_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVJAX_AVX2 1
+#else
+#define KVJAX_AVX2 0
+#endif
+
+namespace kvjax_native {
+
+// ------------------------------------------------------------------------------------------------ exponentials
+// exp for f32 (x <= kExpHi): Cody-Waite range reduction and a degree-5 polynomial (the classic Cephes expf coefficients),
+// |rel err| < 2 ulp on [-87, 88]; inputs below -87.33 (and NaN) give exactly 0 (masked and underflowing scores).
+// `ExpScalar` is the same sequence of roundings one lane at a time (std::fma for each fused step, nearbyint for the
+// round-to-nearest-even), so the scalar build's exponentials equal the AVX2 build's bit for bit.
+constexpr float kExpHi = 88.3762626647949f, kExpLo = -87.3365478515625f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f, kP3 = 4.1665795894E-2f,
+                kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
+
+inline float ExpScalar(float x) {
+  if (!(x >= kExpLo && x <= kExpHi)) return x > kExpHi ? INFINITY : 0.0f;  // NaN: 0, as the vector form
+  const float fx = std::nearbyint(x * kLog2e);
+  x = std::fma(-fx, kLn2Hi, x);
+  x = std::fma(-fx, kLn2Lo, x);
+  float y = kP0;
+  y = std::fma(y, x, kP1);
+  y = std::fma(y, x, kP2);
+  y = std::fma(y, x, kP3);
+  y = std::fma(y, x, kP4);
+  y = std::fma(y, x, kP5);
+  y = std::fma(y, x * x, x + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
+  float e;
+  std::memcpy(&e, &bits, sizeof e);
+  return y * e;
+}
+
+#if KVJAX_AVX2
+// The kernel's arguments are s - m <= 0, so there is no upper clamp on the hot path; x > kExpHi (never passed)
+// would give garbage here where ExpScalar gives inf. Lanes below kExpLo, -inf and NaN give exactly 0.
+inline __m256 Exp8(__m256 x) {
+  const __m256 in_range = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_GE_OQ);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Hi), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP5));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), in_range);
+}
+#endif
+
+// Sum of 8 lane partials in a fixed tree order (both builds).
+inline float Reduce8(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+// Max of 8 lane maxima in a fixed order (both builds; std::max's comparison, so NaN and -0 fall the same way).
+inline float Max8(const float* a) {
+  float mx = -INFINITY;
+  for (int i = 0; i < 8; ++i) mx = std::max(mx, a[i]);
+  return mx;
+}
+
+}  // namespace kvjax_native
+
+#endif  // KVJAX_NATIVE_SIMD_H_
