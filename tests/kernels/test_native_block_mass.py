@@ -114,9 +114,15 @@ def test_the_same_bits_on_one_thread(tmp_path):
 
 def test_block_mass_takes_the_native_kernel_on_cpu_for_f32(monkeypatch):
     q, k, q_pos, k_pos = _case(2, 2, 32, S=64, lengths=(60, 30))
-    trace = lambda q, k: str(jax.make_jaxpr(lambda q, k: attention_scores.block_mass(q, k, q_pos, k_pos, 16))(q, k))
+    trace = lambda q, k: str(jax.make_jaxpr(  # noqa: E731
+        lambda q, k: attention_scores.block_mass(q, k, q_pos, k_pos, 16))(q, k))
     assert (native.BLOCK_MASS_TARGET in trace(q, k)) == (jax.default_backend() == "cpu")
     assert native.BLOCK_MASS_TARGET not in trace(q, k.astype(jnp.bfloat16))  # other dtypes: the reference
+    named = lambda impl: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: attention_scores.block_mass(q, k, q_pos, k_pos, 16, implementation=impl))(q))
+    assert native.BLOCK_MASS_TARGET in named("native") and native.BLOCK_MASS_TARGET not in named("xla")
+    with pytest.raises(ValueError, match="implementation"):
+        named("pallas")
     monkeypatch.setattr(native, "available", lambda: False)  # what KVJAX_NATIVE=0 or a failed build gives
     assert native.BLOCK_MASS_TARGET not in trace(q, k)
 
