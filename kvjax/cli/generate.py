@@ -20,7 +20,8 @@ COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "r
                "refresh_kivi4")
 DEFAULT_DRAFT_LEN = 32  # == draft_length.DEFAULT_FIXED: a fixed x where adaptation is not available (batches)
 ADAPTIVE_START = 8  # == draft_length.DEFAULT_START: the first round's x of an adaptive run without --draft-len
-VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "offload", "compare_full", "rejection")
+VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "ratio", "draft_dtype", "draft_weights", "offload",
+                  "compare_full", "rejection")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -65,6 +66,8 @@ def check_args(args) -> None:
     else:
         if args.draft_len is not None and not 1 <= args.draft_len <= MAX_DRAFT_LEN:
             raise CliError(f"--draft-len must be in [1, {MAX_DRAFT_LEN}], got {args.draft_len}")
+        if args.ratio is not None and not args.ratio >= 1:
+            raise CliError(f"--ratio must be >= 1 (prompt tokens per kept token), got {args.ratio}")
         if args.rejection and args.temperature == 0:
             raise CliError("--rejection needs --temperature > 0")
         if args.offload and args.tp * args.dp > 1:
@@ -167,6 +170,13 @@ def check_context(model, n_prompt: int, n_new: int) -> None:
             f"tokens (--rope-scaling yarn:{factor} extends it)")
 
 
+def _compressor_kw(args) -> dict:
+    """The drafter's fields the command line set (--ratio, --draft-dtype, --draft-weights); the rest keep its
+    defaults."""
+    given = dict(ratio=args.ratio, draft_dtype=args.draft_dtype, draft_weights=args.draft_weights)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _sampling_kw(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
 
@@ -230,7 +240,8 @@ def _run_vericache(model, ids, args, text: TextStream):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     # measured (README): adapting x beats every fixed x on the bundled checkpoint, so it is what a run without
     # --draft-len does (the API's default too); --draft-len alone asks for that fixed length
-    cfg = api.vericache_config(model, n, compressor=args.compressor, draft_len=args.draft_len,
+    cfg = api.vericache_config(model, n, compressor=args.compressor, compressor_kw=_compressor_kw(args),
+                               draft_len=args.draft_len,
                                adaptive=True if args.adaptive else None, offload=args.offload,
                                rejection=args.rejection)
     args.draft_set = cfg.xs
@@ -375,6 +386,7 @@ def _run_batch(model, args) -> dict:
         gens = kvjax.generate(model, prompts, args.new_tokens, logprobs=args.logprobs, **kw)
     else:
         gens = kvjax.generate_vericache(model, prompts, args.new_tokens, compressor=args.compressor,
+                                        compressor_kw=_compressor_kw(args),
                                         draft_len=args.draft_len or DEFAULT_DRAFT_LEN, logprobs=args.logprobs, **kw)
     rows = [g.to_json() for g in gens]
     lines = [json.dumps(dict(index=i, **r)) for i, r in enumerate(rows)]
@@ -446,6 +458,13 @@ def register(sub) -> None:
     v.add_argument("--adaptive", action="store_true",
                    help=f"pick each round's draft length from {list(ADAPTIVE_SET)} by the measured acceptance and "
                         "step times, starting at --draft-len (the default when --draft-len is not given)")
+    v.add_argument("--ratio", type=float, help="the draft's compression ratio: prompt tokens per kept token "
+                                               "(default: the drafter's, 4)")
+    v.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
+                   help="dtype of the draft's kept keys and values (default float32; bfloat16: half the bytes)")
+    v.add_argument("--draft-weights", choices=("float32", "bfloat16"),
+                   help="weights the draft reads (default float32; bfloat16: a bf16 copy, half the bytes per draft "
+                        "token; verification keeps the f32 weights, so the output is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

@@ -126,6 +126,8 @@ class Compressor:
     draft_weights: str = dataclasses.field(default="float32", kw_only=True)
 
     def __post_init__(self):
+        if not self.ratio >= 1:  # also NaN
+            raise ValueError(f"ratio (prompt tokens per kept token) must be >= 1, got {self.ratio!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
         if self.draft_weights not in DRAFT_WEIGHTS:
