@@ -101,6 +101,22 @@ def toy_model(config: ModelConfig | None = None, seed: int = 0, scale: float = 0
     return Model(config=c, params=params, family=LLAMA)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, static: tuple):
+    return jax.jit(functools.partial(fn, **dict(static)))
+
+
+def jitted_reference(fn, *args, **kw):
+    """fn(*args, **kw) as one compiled program, reused by every call with the same keyword settings and shapes.
+
+    The kernels' jnp references run op by op otherwise, and on CPU each op's first call at a shape compiles a
+    program of its own (~0.2-0.6 s each on a 2-core machine): most of a kernel test's time. Keyword arguments
+    that are arrays stay traced; the others (window, ratio, ...) are static.
+    """
+    static = tuple(sorted((k, v) for k, v in kw.items() if not hasattr(v, "shape")))
+    return _jitted(fn, static)(*args, **{k: v for k, v in kw.items() if hasattr(v, "shape")})
+
+
 def compile_count(jitted) -> int:
     """How many executables a jitted function holds (STYLE.md habit 6)."""
     return jitted._cache_size()

@@ -17,11 +17,12 @@ CHI2_4DOF_999 = 18.47
 
 
 def test_position_keyed_noise_depends_only_on_seed_and_position():
-    g1 = sampling.gumbel(jnp.asarray([7]), jnp.asarray([[10, 11, 12]]), 5)
-    g2 = sampling.gumbel(jnp.asarray([7]), jnp.asarray([[12, 10]]), 5)
+    gumbel = jax.jit(sampling.gumbel, static_argnums=2)  # as the decode steps run it (op by op: a compile per op)
+    g1 = gumbel(jnp.asarray([7]), jnp.asarray([[10, 11, 12]]), 5)
+    g2 = gumbel(jnp.asarray([7]), jnp.asarray([[12, 10]]), 5)
     np.testing.assert_array_equal(g1[0, 2], g2[0, 0])
     np.testing.assert_array_equal(g1[0, 0], g2[0, 1])
-    g3 = sampling.gumbel(jnp.asarray([8]), jnp.asarray([[10]]), 5)
+    g3 = gumbel(jnp.asarray([8]), jnp.asarray([[10]]), 5)
     assert not np.array_equal(g1[0, 0], g3[0, 0])
 
 
@@ -34,10 +35,11 @@ def test_rejection_sampling_preserves_target_distribution(x):
     seeds = jnp.arange(n, dtype=jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(x + 1, dtype=jnp.int32) + 100, (n, x + 1))
     qlog = jnp.broadcast_to(q_logits, (n, x, V))
-    drafts = sampling.sample_draft(qlog, positions[:, :x], seeds, 1.0)
+    # jitted: op by op, each op compiled a program of its own (CI time); the second accept reuses the first's
+    drafts = jax.jit(sampling.sample_draft, static_argnums=3)(qlog, positions[:, :x], seeds, 1.0)
     plog = jnp.broadcast_to(p_logits, (n, x + 1, V))
-    nacc, nxt = jax.jit(sampling.rejection_accept, static_argnames="temperature")(
-        plog, qlog, drafts, positions, seeds, temperature=1.0)
+    accept = jax.jit(sampling.rejection_accept, static_argnames="temperature")
+    nacc, nxt = accept(plog, qlog, drafts, positions, seeds, temperature=1.0)
     first = np.where(np.asarray(nacc) > 0, np.asarray(drafts[:, 0]), np.asarray(nxt))
     counts = np.bincount(first, minlength=V)
     expected = n * np.exp(np.asarray(p_logits))
@@ -47,7 +49,7 @@ def test_rejection_sampling_preserves_target_distribution(x):
     acc = float(np.mean(np.asarray(nacc) > 0))
     assert abs(acc - 0.55) < 0.02
     # a draft that IS the target accepts everything
-    nacc2, _ = sampling.rejection_accept(plog, jnp.broadcast_to(p_logits, (n, x, V)), drafts, positions, seeds, 1.0)
+    nacc2, _ = accept(plog, jnp.broadcast_to(p_logits, (n, x, V)), drafts, positions, seeds, temperature=1.0)
     assert int(jnp.min(nacc2)) == x
 
 

@@ -27,6 +27,24 @@ def _ids(model, seed=11):
     return np.random.RandomState(seed).randint(0, model.config.vocab_size, size=PROMPT)
 
 
+_RUNS: dict = {}
+
+
+def _run(model, comp, kw, temperature, rejection, offload):
+    """(reference_decode's Generation, generate_vericache's) for one setting, computed once per module: the lossy
+    draft test below checks the CI case's run against plain decoding too (each run compiles the draft/verify steps)."""
+    key = (comp, tuple(sorted(kw.items())), temperature, rejection, offload)
+    if key not in _RUNS:
+        ids = _ids(model)
+        r = kvjax.reference_decode(model, ids, NEW, draft_len=4, temperature=temperature, seed=3,
+                                   return_logits=True)
+        g = kvjax.generate_vericache(model, ids, NEW, compressor=comp, compressor_kw=kw, draft_len=4,
+                                     temperature=temperature, seed=3, rejection=rejection, offload=offload,
+                                     ignore_eos=True, return_logits=True)
+        _RUNS[key] = r, g
+    return _RUNS[key]
+
+
 def test_verify_rows_bitwise_equal_reference_row0(model):
     x = 4
     cache = model.family.init_cache(model.config, 1, 256, model.cache_dtype)
@@ -45,10 +63,13 @@ def test_verify_rows_bitwise_equal_reference_row0(model):
         np.testing.assert_array_equal(np.asarray(lg[0, j]), ref_rows[j])
 
 
+DROPQUANT = ("dropquant", dict(ratio=8.0, sinks=0, bits=2), 0.0, False, False)
+
+
 # CI runs one case (greedy token-dropping + quantizing; verify rows are checked bitwise below); `-m slow` runs
 # every pairing (the KIVI-4 sampled and offloaded cases take ~45 s each here).
 @pytest.mark.parametrize("comp,kw,temperature,rejection,offload", [
-    ("dropquant", dict(ratio=8.0, sinks=0, bits=2), 0.0, False, False),
+    DROPQUANT,
     pytest.param("streaming", {}, 0.0, False, False, marks=pytest.mark.slow),
     pytest.param("kivi4", {}, 0.8, False, False, marks=pytest.mark.slow),
     pytest.param("streaming", {}, 1.0, True, False, marks=pytest.mark.slow),  # CI time; rejection: test_sampling.py
@@ -57,12 +78,8 @@ def test_verify_rows_bitwise_equal_reference_row0(model):
     pytest.param("kivi4", {}, 0.8, False, True, marks=pytest.mark.slow),  # offload join: its own test below
 ])
 def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejection, offload):
-    ids = _ids(model)
-    r = kvjax.reference_decode(model, ids, NEW, draft_len=4, temperature=temperature, seed=3, return_logits=True)
+    r, g = _run(model, comp, kw, temperature, rejection, offload)
     ref, ref_logits = r.tokens, r.logits
-    g = kvjax.generate_vericache(model, ids, NEW, compressor=comp, compressor_kw=kw, draft_len=4,
-                                 temperature=temperature, seed=3, rejection=rejection, offload=offload,
-                                 ignore_eos=True, return_logits=True)
     out, stats, logits = g.tokens, g.stats, g.logits
     if not rejection:  # rejection sampling preserves the distribution, not the token sequence
         np.testing.assert_array_equal(out, ref)
@@ -74,10 +91,8 @@ def test_tokens_and_logits_equal_reference(model, comp, kw, temperature, rejecti
 
 
 def test_lossy_draft_really_is_lossy_and_greedy_matches_full_decoding(model):
-    ids = _ids(model)
-    full = kvjax.generate(model, ids, NEW, ignore_eos=True)
-    g = kvjax.generate_vericache(model, ids, NEW, compressor="dropquant",
-                                 compressor_kw=dict(ratio=8.0, sinks=0, bits=2), draft_len=4)
+    full = kvjax.generate(model, _ids(model), NEW, ignore_eos=True)
+    _, g = _run(model, *DROPQUANT)  # greedy, drafts from dropped + 2-bit entries
     out, stats = g.tokens, g.stats
     np.testing.assert_array_equal(out, full)  # agreement with plain decoding (not guaranteed bitwise, holds here)
     assert stats["mean_accepted_per_round"] < 4  # some drafts were rejected and replaced

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from builders import jitted_reference
 
 import pallas_kernels as pk
 from pallas_kernels import online_softmax as osm
@@ -47,8 +48,9 @@ class KernelCases:
     IMPLEMENTATION: str
 
     def call(self, fn, *args, **kw):
-        # one jit per call: a single compile instead of op-by-op dispatch of the wrapper (most of the CPU time)
-        return jax.jit(functools.partial(fn, implementation=self.IMPLEMENTATION, **kw))(*args)
+        # jitted: a single compile instead of op-by-op dispatch of the wrapper (most of the CPU time), reused by
+        # the calls of the same shapes and settings
+        return jitted_reference(fn, *args, implementation=self.IMPLEMENTATION, **kw)
 
     # -- kernel 0: position-masked attention ------------------------------------------------------------------
     @pytest.mark.parametrize("G,dtype", [(1, "float32"), (8, "float32"), (8, "bfloat16")])
@@ -59,7 +61,7 @@ class KernelCases:
         q_pos = ref.dense_query_positions(jnp.asarray(lengths), 2)
         k_pos = dense_pos(lengths, S)
         got = self.call(pk.attend, q, k, v, q_pos, k_pos, block_k=16)
-        close(got, ref.attend_reference(q, k, v, q_pos, k_pos), dtype)
+        close(got, jitted_reference(ref.attend_reference, q, k, v, q_pos, k_pos), dtype)
 
     def test_attend_per_head_positions_and_window_edge(self):
         rng = np.random.default_rng(7)
@@ -68,7 +70,7 @@ class KernelCases:
         q_pos = jnp.asarray([[40]], jnp.int32)
         k_pos = jnp.stack([dense_pos([64], S), dense_pos([36], S)], axis=1)  # [B, K, S]: head 1 holds fewer keys
         out = self.call(pk.attend, q, k, v, q_pos, k_pos, window=W, block_k=16)
-        close(out, ref.attend_reference(q, k, v, q_pos, k_pos, window=W))
+        close(out, jitted_reference(ref.attend_reference, q, k, v, q_pos, k_pos, window=W))
         # position 32 = q - W is hidden, 33 = q - W + 1 is seen
         hidden = self.call(pk.attend, q, k.at[:, :, 32].set(9.0), v.at[:, :, 32].set(9.0), q_pos, k_pos, window=W,
                            block_k=16)
@@ -82,7 +84,7 @@ class KernelCases:
         q_pos = jnp.asarray([[5, -1], [3, 4]], jnp.int32)  # a padding query; row 1 has an empty cache
         k_pos = jnp.stack([dense_pos([10], 32)[0], jnp.full((32,), -1, jnp.int32)])
         got = self.call(pk.attend, q, k, v, q_pos, k_pos, block_k=16)
-        close(got, ref.attend_reference(q, k, v, q_pos, k_pos))
+        close(got, jitted_reference(ref.attend_reference, q, k, v, q_pos, k_pos))
         assert not np.asarray(got[0, 1]).any() and not np.asarray(got[1]).any()
 
     # -- kernels 1 and 2: dense decode / verify -----------------------------------------------------------------
@@ -96,14 +98,14 @@ class KernelCases:
         v = None if shared else v
         sk = rand(rng, (K * G,)) if sinks else None
         got = self.call(pk.decode_attention, q, k, v, lengths, sinks=sk, block_k=16, num_splits=splits)
-        close(got, ref.decode_reference(q, k, v, lengths, sinks=sk), dtype)
+        close(got, jitted_reference(ref.decode_reference, q, k, v, lengths, sinks=sk), dtype)
 
     def test_decode_window_starts_at_window(self):
         rng = np.random.default_rng(12)
         S, W, lengths = 64, 20, jnp.asarray([61, 9], jnp.int32)
         q, k, v = rand(rng, (2, 1, 4, D)), rand(rng, (2, K, S, D)), rand(rng, (2, K, S, D))
         got = self.call(pk.decode_attention, q, k, v, lengths, window=W, block_k=16, num_splits=1)
-        close(got, ref.decode_reference(q, k, v, lengths, window=W))
+        close(got, jitted_reference(ref.decode_reference, q, k, v, lengths, window=W))
         # garbage before the window (NaN!) is never read: the loop starts at the window's block
         poisoned = self.call(pk.decode_attention, q, k.at[0, :, :32].set(jnp.nan), v, lengths, window=W, block_k=16,
                              num_splits=1) if self.IMPLEMENTATION != "xla" else got
@@ -115,7 +117,7 @@ class KernelCases:
         S, lengths, T = 64, jnp.asarray([45, 5], jnp.int32), 5  # x = 4 drafts + 1: row 1's block is its whole cache
         q, k, v = rand(rng, (2, T, K * G, D)), rand(rng, (2, K, S, D)), rand(rng, (2, K, S, D))
         got = self.call(pk.verify_attention, q, k, v, lengths, block_k=16)
-        close(got, ref.decode_reference(q, k, v, lengths))
+        close(got, jitted_reference(ref.decode_reference, q, k, v, lengths))
 
     def test_split_k_matches_one_pass(self):
         rng = np.random.default_rng(14)
@@ -134,7 +136,7 @@ class KernelCases:
         q, k, v = rand(rng, (2, T, K * G, D), dtype), rand(rng, (2, K, C, D), dtype), rand(rng, (2, K, C, D), dtype)
         q_pos = seen[:, None] - T + jnp.arange(T)[None, :]
         got = self.call(pk.window_attention, q, k, v, q_pos, seen, window=W, block_k=16)
-        close(got, ref.window_reference(q, k, v, q_pos, seen, window=W), dtype)
+        close(got, jitted_reference(ref.window_reference, q, k, v, q_pos, seen, window=W), dtype)
 
     # -- kernel 4: compressed entries -----------------------------------------------------------------------------
     @pytest.mark.parametrize("G,shared,dtype", [(1, False, "float32"), (8, True, "bfloat16")])
@@ -147,7 +149,7 @@ class KernelCases:
         v = None if shared else v
         sk = rand(rng, (K * G,)) if shared else None
         got = self.call(pk.compressed_attention, q, k, v, q_pos, ratio=m, sinks=sk, block_k=16)
-        close(got, ref.compressed_reference(q, k, v, q_pos, ratio=m, sinks=sk), dtype)
+        close(got, jitted_reference(ref.compressed_reference, q, k, v, q_pos, ratio=m, sinks=sk), dtype)
         if sk is None:
             assert not np.asarray(got[0, 2]).any()
 
@@ -161,7 +163,7 @@ class KernelCases:
         idx = jnp.asarray(rng.integers(-1, E, size=(2, 3, P)), jnp.int32).at[1, 2].set(-1)  # one query: no pick
         sk = rand(rng, (K * G,)) if shared else None
         got = self.call(pk.sparse_attention, q, k, v, idx, sinks=sk, block_k=16)
-        close(got, ref.sparse_reference(q, k, v, idx, sinks=sk), dtype)
+        close(got, jitted_reference(ref.sparse_reference, q, k, v, idx, sinks=sk), dtype)
         if sk is None:
             assert not np.asarray(got[1, 2]).any()
 
@@ -171,20 +173,22 @@ class KernelCases:
         rng = np.random.default_rng(51)
         S, group, Dq = 64, 16, 64  # D * bits / 8 >= 16: the plane tiles stay Triton-sized
         q = rand(rng, (2, 2, K * G, Dq))
-        parts = qf.quantize(rand(rng, (2, K, S, Dq)), rand(rng, (2, K, S, Dq)), bits=bits, group=group)
+        parts = jitted_reference(qf.quantize, rand(rng, (2, K, S, Dq)), rand(rng, (2, K, S, Dq)), bits=bits,
+                                 group=group)
         k_pos = dense_pos([50, 20], S)
         q_pos = jnp.asarray([[48, 49], [18, 19]], jnp.int32)
         args = (q, *(parts[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")), k_pos, q_pos)
         got = self.call(pk.quantized_attention, *args, bits=bits, group=group, window=24)
-        kd, vd = qf.dequantize(*args[1:7], bits=bits, group=group)
-        close(got, ref.attend_reference(q, kd, vd, q_pos, k_pos, window=24))
+        kd, vd = jitted_reference(qf.dequantize, *args[1:7], bits=bits, group=group)
+        close(got, jitted_reference(ref.attend_reference, q, kd, vd, q_pos, k_pos, window=24))
 
     def test_quantized_plus_dense_part_combine(self):
         """Draft cache = quantized bulk + full-precision recent tokens: two partials, one `combine`, then sinks."""
         rng = np.random.default_rng(52)
         S, R, Dq = 32, 8, 64
         q = rand(rng, (1, 1, 4, Dq))
-        parts = qf.quantize(rand(rng, (1, K, S, Dq)), rand(rng, (1, K, S, Dq)), bits=4, group=16)
+        parts = jitted_reference(qf.quantize, rand(rng, (1, K, S, Dq)), rand(rng, (1, K, S, Dq)), bits=4,
+                                 group=16)
         k_rec, v_rec = rand(rng, (1, K, R, Dq)), rand(rng, (1, K, R, Dq))
         q_pos = jnp.asarray([[S + R - 1]], jnp.int32)
         pos_q, pos_rec = dense_pos([S], S), (S + jnp.arange(R))[None].astype(jnp.int32)
@@ -194,10 +198,11 @@ class KernelCases:
         da = self.call(pk.attend, q, k_rec, v_rec, q_pos, pos_rec, return_stats=True)
         o, m, l = osm.combine(jnp.stack([qa[0], da[0]]), jnp.stack([qa[1], da[1]]), jnp.stack([qa[2], da[2]]))
         got = osm.finalize(o, m, l, sinks)
-        kd, vd = qf.dequantize(*(parts[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")),
-                               bits=4, group=16)
-        want = ref.attend_reference(q, jnp.concatenate([kd, k_rec], 2), jnp.concatenate([vd, v_rec], 2), q_pos,
-                                    jnp.concatenate([pos_q, pos_rec], 1), sinks=sinks)
+        kd, vd = jitted_reference(qf.dequantize, *(parts[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes",
+                                                                      "v_scale", "v_zero")), bits=4, group=16)
+        want = jitted_reference(ref.attend_reference, q, jnp.concatenate([kd, k_rec], 2),
+                                jnp.concatenate([vd, v_rec], 2), q_pos, jnp.concatenate([pos_q, pos_rec], 1),
+                                sinks=sinks)
         close(got, want)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from builders import jitted_reference
 
 import pallas_kernels as pk
 from pallas_kernels import native
@@ -43,8 +44,13 @@ def _case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0)
     return q, k, v, q_pos, jnp.asarray(k_pos)
 
 
+def _reference(*args, **kw):
+    """The f32 reference as one compiled program (op by op, each op compiled a program of its own)."""
+    return jitted_reference(ref.attend_reference, *args, **kw)
+
+
 def _native(q, k, v, q_pos, k_pos, window=None):
-    return jax.jit(lambda *a: pk.attend(*a, window=window, implementation="native"))(q, k, v, q_pos, k_pos)
+    return jitted_reference(pk.attend, q, k, v, q_pos, k_pos, window=window, implementation="native")
 
 
 @pytest.mark.parametrize("T", [1, 5, 9, 33, 256])
@@ -52,14 +58,14 @@ def _native(q, k, v, q_pos, k_pos, window=None):
 def test_matches_reference_for_every_row_count(T, G):
     q, k, v, q_pos, k_pos = _case(T, G, lengths=(650, 300) if T < 256 else (690, 400))
     got = _native(q, k, v, q_pos, k_pos)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(q, k, v, q_pos, k_pos)), **TOL)
 
 
 @pytest.mark.parametrize("window", [None, 100, 300])
 def test_windows_and_per_head_positions(window):
     q, k, v, q_pos, k_pos = _case(9, 2, per_head=True, seed=3)
     got = _native(q, k, v, q_pos, k_pos, window=window)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos,
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(q, k, v, q_pos, k_pos,
                                                                                 window=window)), **TOL)
 
 
@@ -68,7 +74,7 @@ def test_empty_slots_and_fully_masked_rows_are_zero():
     q_pos = jnp.asarray([[-1, 0, 700], [5, 6, 7]], jnp.int32)  # a padding query; slot 0 visible; beyond the cache
     k_pos = k_pos.at[1].set(-1)  # sequence 1: an empty cache
     got = np.asarray(_native(q, k, v, q_pos, k_pos))
-    np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    np.testing.assert_allclose(got, np.asarray(_reference(q, k, v, q_pos, k_pos)), **TOL)
     assert not got[0, 0].any() and not got[1].any() and np.isfinite(got).all()
     o, m, l = jax.jit(lambda *a: native.attend_stats(*a))(q, k, v, q_pos, k_pos)
     assert not np.asarray(l[1]).any() and (np.asarray(m[1]) == osm.M_INIT).all()
@@ -81,7 +87,7 @@ def test_stats_combine_across_parts_with_sinks():
     a = pk.attend(q, k[:, :, :400], v[:, :, :400], q_pos, k_pos[:, :400], implementation="native", return_stats=True)
     b = pk.attend(q, k[:, :, 400:], v[:, :, 400:], q_pos, k_pos[:, 400:], implementation="native", return_stats=True)
     got = osm.finalize(*osm.combine(*(jnp.stack(x) for x in zip(a, b))), sinks)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, sinks=sinks)),
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(q, k, v, q_pos, k_pos, sinks=sinks)),
                                **TOL)
 
 
@@ -150,7 +156,7 @@ def test_every_row_alone_equals_the_row_in_a_blocked_call(N, K, D, window):
     G = N // K
     q, k, v, q_pos, k_pos = _case(21, G, K=K, D=D, per_head=True, seed=11 + D)
     full = np.asarray(_native(q, k, v, q_pos, k_pos, window))
-    np.testing.assert_allclose(full, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)), **TOL)
+    np.testing.assert_allclose(full, np.asarray(_reference(q, k, v, q_pos, k_pos, window=window)), **TOL)
     for t in range(q.shape[1]):
         alone = np.asarray(_native(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], k_pos, window))
         assert np.array_equal(alone[:, 0], full[:, t]), t
@@ -161,7 +167,7 @@ def test_smollm2_shape_matches_reference(T):
     """D = 64, 9 query heads over 3 KV heads (SmolLM2-135M), blocks of `default_block(64)` keys, one sequence."""
     q, k, v, q_pos, k_pos = _case(T, 3, K=3, D=64, S=1100, lengths=(1030,), seed=T)
     got = _native(q, k, v, q_pos, k_pos)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(q, k, v, q_pos, k_pos)), **TOL)
 
 
 @pytest.mark.slow  # CI time; every f32 attention on CPU is native now, so tests/decode/test_vericache.py runs it
@@ -200,7 +206,7 @@ def test_row_results_do_not_depend_on_the_row_count(D, G):
     T = 66 // G
     q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(701, 437), per_head=True, seed=D)
     full = np.asarray(_native(q, k, v, q_pos, k_pos))
-    np.testing.assert_allclose(full, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos)), **TOL)
+    np.testing.assert_allclose(full, np.asarray(_reference(q, k, v, q_pos, k_pos)), **TOL)
     for count in (1, 2, 3, 17):
         for t0 in {0, T - count, min(5, T - count)}:
             part = np.asarray(_native(q[:, t0:t0 + count], k, v, q_pos[:, t0:t0 + count], k_pos))
@@ -213,7 +219,7 @@ def test_a_windowed_row_is_masked_inside_full_blocks():
     q, k, v, q_pos, k_pos = _case(12, 2, K=2, D=32, S=1024, lengths=(1024, 1000), seed=21)
     for window in (None, 300, 513):
         got = np.asarray(_native(q, k, v, q_pos, k_pos, window))
-        np.testing.assert_allclose(got, np.asarray(ref.attend_reference(q, k, v, q_pos, k_pos, window=window)),
+        np.testing.assert_allclose(got, np.asarray(_reference(q, k, v, q_pos, k_pos, window=window)),
                                    **TOL)
 
 

@@ -12,12 +12,15 @@ from kvjax.models.llama.cache import init_cache
 from kvjax.models import llama
 from kvjax.models.attention import attend, default_attention
 from kvjax.models.attention import attention, attention_parts, make_attention_fn
-from builders import CHECKPOINTS
+from builders import CHECKPOINTS, jitted_reference
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
 
 
 ON_GPU = jax.default_backend() == "gpu"
+
+
+FORWARD = jax.jit(llama.forward, static_argnames="attention_fn")  # one for every case: the XLA side compiles once
 
 
 @pytest.mark.parametrize("family,implementation", [
@@ -35,7 +38,7 @@ def test_forward_pallas_matches_xla(hf_model_dir, family, implementation):
     chunk = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 20)).astype(np.int32)
     n_valid = jnp.asarray([20, 13], jnp.int32)  # ragged rows: padding tokens must be ignored identically
     nxt = jnp.asarray([[5], [7]], jnp.int32)
-    forward = jax.jit(llama.forward, static_argnames="attention_fn")
+    forward = FORWARD
     out = {}
     for name, fn in fns.items():
         cache = init_cache(cfg, 2, 256)
@@ -66,8 +69,9 @@ def test_dispatch_pallas_equals_xla_on_windowed_ring_inputs():
     v = jnp.asarray(rng.normal(size=(1, 2, 19, 16)), jnp.float32)
     k_pos = jnp.asarray(np.r_[np.arange(16, 32), np.arange(32, 35)][None], jnp.int32)
     q_pos = jnp.asarray([[32, 33, 34]], jnp.int32)
-    want = attention(q, k, v, q_pos, k_pos, window=16, implementation="xla")
-    got = attention(q, k, v, q_pos, k_pos, window=16, implementation="pallas_interpret")
+    # jitted: one compiled program per call, not one per op (CI time)
+    want = jitted_reference(attention, q, k, v, q_pos, k_pos, window=16, implementation="xla")
+    got = jitted_reference(attention, q, k, v, q_pos, k_pos, window=16, implementation="pallas_interpret")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
@@ -81,10 +85,11 @@ def test_attention_parts_equals_one_cache(implementation):
     p1 = jnp.asarray(np.sort([[rng.choice(60, 24, replace=False) for _ in range(2)] for _ in range(2)]), jnp.int32)
     p2 = jnp.broadcast_to(jnp.arange(60, 68, dtype=jnp.int32), (2, 8)).at[1, 6:].set(-1)
     q_pos = jnp.asarray([[66, 67], [64, 65]], jnp.int32)
-    got = attention_parts(q, [(k1, v1, p1), (k2, v2, p2)], q_pos, window=30, implementation=implementation)
+    got = jitted_reference(attention_parts, q, [(k1, v1, p1), (k2, v2, p2)], q_pos, window=30,
+                           implementation=implementation)
     p2h = jnp.broadcast_to(p2[:, None], (2, 2, 8))
-    want = attend(q, jnp.concatenate([k1, k2], 2), jnp.concatenate([v1, v2], 2), q_pos,
-                  jnp.concatenate([p1, p2h], 2), window=30)
+    want = jitted_reference(attend, q, jnp.concatenate([k1, k2], 2), jnp.concatenate([v1, v2], 2), q_pos,
+                            jnp.concatenate([p1, p2h], 2), window=30)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
@@ -106,14 +111,20 @@ def test_attention_merged_equals_one_softmax_with_sinks(implementation):
     ent_pos = jnp.asarray([[3, 7, -1, 15, 19], [3, 7, 11, 15, 19]], jnp.int32)  # (w + 1) * m - 1; -1 = dropped
     idx = jnp.asarray(rng.integers(-1, 7, size=(B, T, 3)), jnp.int32)
     sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
-    got = attention_merged(q, q_pos, parts=[(ring, None, ring_pos, W), (ents, None, ent_pos, None)],
-                           sparse_parts=[(picks, None, idx)], sinks=sinks, implementation=implementation)
-    gathered = jax.vmap(lambda kb, ib: kb[:, ib])(picks, jnp.maximum(idx, 0))  # [B, 1, T, 3, D]
-    union = jnp.concatenate([jnp.broadcast_to(ring[:, :, None], (B, 1, T, 9, D)),
-                             jnp.broadcast_to(ents[:, :, None], (B, 1, T, 5, D)), gathered], axis=3)
-    vis = jnp.concatenate([position_visible(q_pos, ring_pos, W), position_visible(q_pos, ent_pos),
-                           (idx >= 0)[:, None]], axis=3)
-    want = masked_softmax_attention(q, union, None, vis, sinks=sinks)
+    got = jax.jit(lambda q, q_pos, ring, ring_pos, ents, ent_pos, picks, idx, sinks: attention_merged(
+        q, q_pos, parts=[(ring, None, ring_pos, W), (ents, None, ent_pos, None)], sparse_parts=[(picks, None, idx)],
+        sinks=sinks, implementation=implementation))(q, q_pos, ring, ring_pos, ents, ent_pos, picks, idx, sinks)
+
+    @jax.jit  # one compiled program, not one per op (CI time)
+    def want_fn(q, q_pos, ring, ring_pos, ents, ent_pos, picks, idx, sinks):
+        gathered = jax.vmap(lambda kb, ib: kb[:, ib])(picks, jnp.maximum(idx, 0))  # [B, 1, T, 3, D]
+        union = jnp.concatenate([jnp.broadcast_to(ring[:, :, None], (B, 1, T, 9, D)),
+                                 jnp.broadcast_to(ents[:, :, None], (B, 1, T, 5, D)), gathered], axis=3)
+        vis = jnp.concatenate([position_visible(q_pos, ring_pos, W), position_visible(q_pos, ent_pos),
+                               (idx >= 0)[:, None]], axis=3)
+        return masked_softmax_attention(q, union, None, vis, sinks=sinks)
+
+    want = want_fn(q, q_pos, ring, ring_pos, ents, ent_pos, picks, idx, sinks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
@@ -157,11 +168,13 @@ def test_attention_parts_reads_a_quantized_part_through_kernel_6():
     B, K, S, D = 1, 2, 64, 32
     k, v = (jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32) for _ in range(2))
     pos = jnp.asarray(np.where(rng.random((B, K, S)) < 0.3, -1, np.arange(S)), jnp.int32)
-    part = QuantizedKV.quantize(k, v, pos, bits=4, group=16)
+    part = jitted_reference(QuantizedKV.quantize, k, v, pos, bits=4, group=16)
     q = jnp.asarray(rng.normal(size=(B, 2, 4, D)), jnp.float32)
     q_pos = jnp.asarray([[60, 70]], jnp.int32)
-    got = attention_parts(q, [part], q_pos, implementation="pallas_interpret")
-    xla = attention_parts(q, [part], q_pos, implementation="xla")
-    kd, vd, _ = part.dense()
+    # jitted: one compiled program per call, not one per op (CI time)
+    got = jitted_reference(attention_parts, q, [part], q_pos, implementation="pallas_interpret")
+    xla = jitted_reference(attention_parts, q, [part], q_pos, implementation="xla")
+    kd, vd, _ = jitted_reference(QuantizedKV.dense, part)
     np.testing.assert_allclose(np.asarray(got), np.asarray(xla), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(xla), np.asarray(attend(q, kd, vd, q_pos, pos)), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(jitted_reference(attend, q, kd, vd, q_pos, pos)),
+                               atol=1e-5, rtol=1e-5)
