@@ -138,10 +138,24 @@ RESULTS: tuple[Result, ...] = (
     _vericache("vericache_tiny_32k_refresh", "tiny, 32K, transposed-panel kernel",
                ("--context", "32768", "--new-tokens", "128", "--prompts", "2", "--compressors", "refresh",
                 "--offload", "none", "--adaptive", "refresh"), 20),
-    _vericache("vericache_tiny_32k_draft_dtype", "tiny, 32K, refresh: ratio 4/8 x f32/bf16 draft, x = 32 and 16",
-               ("--context", "32768", "--new-tokens", "128", "--prompts", "2", "--draft-len", "32,16", "--compressors",
-                "refresh,refresh:draft_dtype=bfloat16,refresh:ratio=8,refresh:ratio=8:draft_dtype=bfloat16",
-                "--offload", "none", "--no-baselines", "--no-lossy"), 10),
+    dataclasses.replace(
+        _vericache("vericache_tiny_32k_draft_dtype", "tiny, 32K: ratio 4/8 x f32/bf16 draft cache",
+                   ("--context", "32768", "--new-tokens", "128", "--prompts", "2", "--draft-len", "32,16",
+                    "--compressors",
+                    "refresh,refresh:draft_dtype=bfloat16,refresh:ratio=8,refresh:ratio=8:draft_dtype=bfloat16",
+                    "--offload", "none", "--no-baselines", "--no-lossy"), 10), table="vericache_cheap_drafts"),
+    dataclasses.replace(
+        _vericache("vericache_tiny_32k_draft_weights", "tiny, 32K: + bf16 draft weights",
+                   ("--context", "32768", "--new-tokens", "128", "--prompts", "2", "--draft-len", "16,32",
+                    "--compressors", "refresh,refresh:ratio=8:draft_dtype=bfloat16,"
+                    "refresh:ratio=8:draft_dtype=bfloat16:draft_weights=bfloat16",
+                    "--offload", "none", "--no-baselines", "--no-lossy"), 10), table="vericache_cheap_drafts"),
+    dataclasses.replace(
+        _vericache("vericache_smollm2_8k_draft_bf16", "SmolLM2, 8K: bf16 draft cache and weights",
+                   (*SMOLLM2, "--context", "8192", "--new-tokens", "64", "--prompts", "2", "--draft-len", "16,32",
+                    "--compressors", "refresh,refresh:draft_dtype=bfloat16:draft_weights=bfloat16,"
+                    "refresh:ratio=8:draft_dtype=bfloat16:draft_weights=bfloat16",
+                    "--offload", "none", "--no-baselines", "--no-lossy"), 20), table="vericache_cheap_drafts"),
     _vericache("vericache_random_32k", "random, 32K",
                ("--random", "--context", "32768", "--new-tokens", "128", "--prompts", "1", "--compressors",
                 "snapkv,streaming", "--offload", "none"), 15),

@@ -384,6 +384,7 @@ def render_parity(items) -> str:
 
 RENDER = {"exact_tasks": render_exact_tasks, "parity": render_parity, "roofline": render_roofline,
           "vericache": render_vericache, "vericache_ablation": render_vericache,
+          "vericache_cheap_drafts": render_vericache,
           "vericache_exactness": render_vericache_exactness, "scheduler": render_scheduler,
           "prefill": render_prefill, "fused_loops": render_fused_loops, "prefix_cache": render_prefix_cache,
           "remote_prefix": render_remote_prefix, "attention_peers": render_attention_peers,

@@ -450,8 +450,10 @@ def register(sub) -> None:
                                                             "verification's exact rows)")
     v = g.add_argument_group("VeriCache (--mode vericache only)")
     v.add_argument("--compressor", choices=COMPRESSORS, help="draft maker (default: the model family's measured best, "
-                                                             "`model.family.default_compressor`; DeepSeek-V4 models "
-                                                             "take streaming, kivi4, kivi2, dropquant)")
+                                                             "`model.family.default_compressor`, for Llama-family "
+                                                             "models refresh with a bf16 draft where the kernels read "
+                                                             "bf16; DeepSeek-V4 models take streaming, kivi4, kivi2, "
+                                                             "dropquant)")
     v.add_argument("--draft-len", type=int,
                    help=f"a fixed number of drafts per verification, 1..{MAX_DRAFT_LEN} (default: adaptive from "
                         f"{ADAPTIVE_START}; a --prompts-file batch: {DEFAULT_DRAFT_LEN})")
@@ -461,10 +463,11 @@ def register(sub) -> None:
     v.add_argument("--ratio", type=float, help="the draft's compression ratio: prompt tokens per kept token "
                                                "(default: the drafter's, 4)")
     v.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
-                   help="dtype of the draft's kept keys and values (default float32; bfloat16: half the bytes)")
+                   help="dtype of the draft's kept keys and values (default float32, the default drafter's bfloat16 "
+                        "where read directly; bfloat16: half the bytes)")
     v.add_argument("--draft-weights", choices=("float32", "bfloat16"),
-                   help="weights the draft reads (default float32; bfloat16: a bf16 copy, half the bytes per draft "
-                        "token; verification keeps the f32 weights, so the output is unchanged)")
+                   help="weights the draft reads (default as --draft-dtype; bfloat16: a bf16 copy, half the bytes "
+                        "per draft token; verification keeps the f32 weights, so the output is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

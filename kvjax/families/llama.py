@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pallas_kernels
 from kvjax import sharding
 from kvjax.cache import chunked, draft as draft_forms
 from kvjax.compress import COMPRESSORS, make_compressor
@@ -19,6 +20,16 @@ def forward(params, config: ModelConfig, cache_, tokens, n_valid=None, *, implem
     """`kvjax.models.llama.forward` with the attention implementation named."""
     return model.forward(params, config, cache_, tokens, n_valid, attention_fn=make_attention_fn(implementation),
                          implementation=implementation, logit_rows=logit_rows)
+
+
+def bf16_draft_defaults() -> dict:
+    """The default drafter's fields: a bf16 draft (its kept keys and values, and the weights it reads) where the
+    kernels here read bf16 directly (the native CPU kernels, or a GPU/TPU); the compressor's f32 defaults elsewhere.
+    Measured (README "Cheaper drafts"), identical output everywhere: SmolLM2 at 8K, x = 16, 0.70x -> 1.07x full-cache
+    decoding with acceptance unchanged (9.4 per round; draft token 0.64 -> 0.38 decode steps); the tiny model at 32K
+    0.89x -> 0.93x with the bf16 cache alone."""
+    ok, _ = pallas_kernels.bf16_weights_supported()
+    return dict(draft_dtype="bfloat16", draft_weights="bfloat16") if ok else {}
 
 
 LLAMA = Family(
@@ -51,6 +62,7 @@ LLAMA = Family(
     # main command (16K) fastest, and it accepts the most of the sparse drafters at a fixed x = 32; 4-bit KIVI accepts
     # more (24-28 of 32) but each of its draft steps costs most of a full-cache step on XLA:CPU
     default_compressor="refresh",
+    default_compressor_kw=bf16_draft_defaults,
     offload_split=offload.offload_split,
     offload_join=offload.offload_join,
     offload_update=offload.offload_update,

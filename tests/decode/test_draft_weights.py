@@ -56,3 +56,13 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
     # the weights drafting reads do not change the draft cache's keys and values: same stored-draft identity
     c = make_compressor("snapkv")
     assert pe.draft_identity(c, 64) == pe.draft_identity(dataclasses.replace(c, draft_weights="bfloat16"), 64)
+
+
+def test_the_default_drafter_drafts_in_bf16_where_the_kernels_read_it(hf_model_dir):
+    """The family's default drafter (no compressor named) takes the measured-best bf16 draft where bf16 is read
+    directly; a named drafter keeps its f32 defaults, and given fields win over the default ones."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    d = m.family.make_compressor(None)
+    assert (d.name, d.draft_dtype, d.draft_weights) == ("refresh", "bfloat16", "bfloat16")
+    assert m.family.make_compressor("refresh").draft_weights == "float32"
+    assert m.family.make_compressor(None, draft_weights="float32").draft_weights == "float32"
