@@ -23,7 +23,9 @@ def _prompt(n=120, seed=1):
 
 
 @pytest.mark.parametrize("name,kw", [
-    ("refresh", REFRESH),
+    # CI time: tests/decode/test_draft_weights.py::test_bf16_draft_weights_keep_vericache_exact runs refresh and snapkv
+    # with a bf16 draft cache and bf16 draft weights against reference_decode in CI
+    pytest.param("refresh", REFRESH, marks=pytest.mark.slow),
     pytest.param("snapkv", dict(ratio=4.0, obs_window=8), marks=pytest.mark.slow)])  # CI time: one static drafter
 def test_bf16_draft_vericache_equals_the_reference(hf_model_dir, name, kw):
     m = kvjax.load(hf_model_dir("llama")[1])

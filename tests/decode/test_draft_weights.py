@@ -27,7 +27,7 @@ def test_bf16_draft_weights_keep_vericache_exact(hf_model_dir):
     r = kvjax.reference_decode(m, p, 20, draft_len=4, return_logits=True)
     for compressor, kw in [("refresh", dict(block=8, recent_blocks=2, obs_window=8, min_drafts=0)), ("snapkv", {})]:
         g = kvjax.generate_vericache(m, p, 20, compressor=compressor, draft_len=4, ignore_eos=True, return_logits=True,
-                                     compressor_kw=dict(kw, draft_weights="bfloat16"))
+                                     compressor_kw=dict(kw, draft_dtype="bfloat16", draft_weights="bfloat16"))
         np.testing.assert_array_equal(g.tokens, r.tokens)
         np.testing.assert_array_equal(g.logits, r.logits)
         assert g.stats["mean_accepted_per_round"] > 0  # the bf16 draft still predicts the model's tokens
