@@ -35,7 +35,7 @@ import numpy as np
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc")  # compiled into one library
-HEADERS = (HERE / "pool.h", HERE / "simd.h")  # shared by the sources; part of the build key too
+HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "shapes.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -67,7 +68,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kMInit = -FLT_MAX;  // online_softmax.M_INIT
-using namespace kvjax_native;  // Pool (pool.h); the exponentials and lane reductions (simd.h)
+using namespace kvjax_native;  // Pool, QKShape, exponentials, lane reductions (pool.h, shapes.h, simd.h)
 
 // bf16 -> f32, exactly: a bf16 is the high 16 bits of the f32 of the same value. Elements are float (f32 caches,
 // unchanged) or uint16_t (bf16 bits).
@@ -621,33 +622,26 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer 
                       ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
                       ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale,
                       int64_t block) {
-  auto qd = q.dimensions(), kd = k.dimensions(), pd = k_pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be rank 4");
+  QKShape sh;
+  if (ffi::Error e = ReadQKShape(q.dimensions(), k.dimensions(), k_pos.dimensions(), q_pos.element_count(),
+                                 "q_pos must be [B, T]", &sh);
+      e.failure())
+    return e;
   Problem P;
-  P.B = qd[0];
-  P.T = qd[1];
-  P.N = qd[2];
-  P.D = qd[3];
-  P.K = kd[1];
-  P.S = kd[2];
-  if (kd[0] != P.B || kd[3] != P.D || P.K == 0 || P.N % P.K != 0)
-    return ffi::Error::InvalidArgument("k must be [B, K, S, D] with N a multiple of K");
+  P.B = sh.B;
+  P.T = sh.T;
+  P.N = sh.N;
+  P.D = sh.D;
+  P.K = sh.K;
+  P.S = sh.S;
+  P.G = sh.G;
+  P.pos_per_head = sh.pos_per_head;
   if (v.dimensions().size() != 4 || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("v must have k's shape");
   const ffi::DataType kt = k.element_type();
   if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16) || v.element_type() != kt)
     return ffi::Error::InvalidArgument("k and v must both be f32 or both bf16");
-  if (pd.size() == 3 && pd[0] == P.B && pd[1] == P.K && pd[2] == P.S) {
-    P.pos_per_head = true;
-  } else if (pd.size() == 2 && pd[0] == P.B && pd[1] == P.S) {
-    P.pos_per_head = false;
-  } else {
-    return ffi::Error::InvalidArgument("k_pos must be [B, S] or [B, K, S]");
-  }
-  if (q_pos.element_count() != static_cast<size_t>(P.B * P.T))
-    return ffi::Error::InvalidArgument("q_pos must be [B, T]");
   if (block < 8 || block % 8) return ffi::Error::InvalidArgument("block must be a positive multiple of 8");
-  P.G = P.N / P.K;
   P.q = q.typed_data();
   P.k = k.untyped_data();
   P.v = v.untyped_data();

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "shapes.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,7 +42,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace kvjax_native;  // Pool (pool.h); ExpScalar, Exp8, Reduce8, Max8 (simd.h)
+using namespace kvjax_native;  // Pool, QKShape, ExpScalar, Exp8, Reduce8, Max8 (pool.h, shapes.h, simd.h)
 
 // Keys per chunk (rounded to whole blocks): an active row's chunk of scores (1 KiB) and the chunk's keys (32 KiB at
 // D = 32) stay in L1/L2 between the scoring and the exponentials.
@@ -347,28 +348,21 @@ void Finish(const MassProblem& P, int64_t tile) {
 
 ffi::Error BlockMassImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::S32> q_pos,
                          ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> mass, int64_t block, float scale) {
-  auto qd = q.dimensions(), kd = k.dimensions(), pd = k_pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be rank 4");
+  QKShape sh;
+  if (ffi::Error e = ReadQKShape(q.dimensions(), k.dimensions(), k_pos.dimensions(), q_pos.element_count(),
+                                 "q_pos must be [B, R]", &sh);
+      e.failure())
+    return e;
   MassProblem P;
-  P.B = qd[0];
-  P.R = qd[1];
-  P.N = qd[2];
-  P.D = qd[3];
-  P.K = kd[1];
-  P.S = kd[2];
-  if (kd[0] != P.B || kd[3] != P.D || P.K == 0 || P.N % P.K != 0)
-    return ffi::Error::InvalidArgument("k must be [B, K, S, D] with N a multiple of K");
-  if (pd.size() == 3 && pd[0] == P.B && pd[1] == P.K && pd[2] == P.S) {
-    P.pos_per_head = true;
-  } else if (pd.size() == 2 && pd[0] == P.B && pd[1] == P.S) {
-    P.pos_per_head = false;
-  } else {
-    return ffi::Error::InvalidArgument("k_pos must be [B, S] or [B, K, S]");
-  }
-  if (q_pos.element_count() != static_cast<size_t>(P.B * P.R))
-    return ffi::Error::InvalidArgument("q_pos must be [B, R]");
+  P.B = sh.B;
+  P.R = sh.T;
+  P.N = sh.N;
+  P.D = sh.D;
+  P.K = sh.K;
+  P.S = sh.S;
+  P.G = sh.G;
+  P.pos_per_head = sh.pos_per_head;
   if (block < 1) return ffi::Error::InvalidArgument("block must be >= 1");
-  P.G = P.N / P.K;
   P.rows = P.R * P.G;
   P.block = block;
   P.nb = (P.S + block - 1) / block;
