@@ -117,6 +117,46 @@ def jitted_reference(fn, *args, **kw):
     return _jitted(fn, static)(*args, **{k: v for k, v in kw.items() if hasattr(v, "shape")})
 
 
+def native_attention_case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0,
+                          kv_dtype=jnp.float32):
+    """Kernel 0's inputs (q, k, v, q_pos, k_pos): f32 queries, keys/values in `kv_dtype` over several native blocks
+    (S = 700: blocks of 256, the last one partial), ragged lengths; `per_head`: per-head positions with holes (a
+    sparse draft cache), head 0 of sequence 0 keeping only 40 keys."""
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, K, S, D)), kv_dtype)
+    v = jnp.asarray(rng.normal(size=(B, K, S, D)), kv_dtype)
+    L = np.asarray(lengths)
+    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
+    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
+    if per_head:
+        k_pos = np.repeat(k_pos[:, None], K, axis=1)
+        k_pos[rng.random(k_pos.shape) < 0.3] = -1
+        k_pos[0, 0, 40:] = -1
+    return q, k, v, q_pos, jnp.asarray(k_pos)
+
+
+def scalar_native_library(directory):
+    """The native library built without -march=native (the scalar path every machine can run), loaded with ctypes,
+    for tests that compare it with the vector build bit for bit; skips where the active build is the scalar one."""
+    import ctypes
+    from pathlib import Path
+
+    import pytest
+
+    from pallas_kernels import native
+
+    if native.status().get("vector_width") != 8:
+        pytest.skip("this machine's build is the scalar one already")
+    lib = Path(directory) / "scalar.so"
+    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
+    assert err is None, err
+    handle = ctypes.cdll.LoadLibrary(str(lib))
+    assert handle.kvjax_native_vector_width() == 1
+    return handle
+
+
 def compile_count(jitted) -> int:
     """How many executables a jitted function holds (STYLE.md habit 6)."""
     return jitted._cache_size()

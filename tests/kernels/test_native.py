@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from builders import jitted_reference
+from builders import jitted_reference, native_attention_case as _case, scalar_native_library
 
 import pallas_kernels as pk
 from pallas_kernels import native
@@ -25,23 +25,6 @@ from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference as ref
 
 TOL = dict(atol=2e-5, rtol=2e-5)
-
-
-def _case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0):
-    """Keys over several native blocks (S = 700: blocks of 256, the last one partial); ragged lengths."""
-    rng = np.random.default_rng(seed)
-    B = len(lengths)
-    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
-    L = np.asarray(lengths)
-    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
-    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
-    if per_head:  # per-head positions with holes (a sparse draft cache); head 0 of sequence 0 keeps only 40 keys
-        k_pos = np.repeat(k_pos[:, None], K, axis=1)
-        k_pos[rng.random(k_pos.shape) < 0.3] = -1
-        k_pos[0, 0, 40:] = -1
-    return q, k, v, q_pos, jnp.asarray(k_pos)
 
 
 def _reference(*args, **kw):
@@ -226,25 +209,18 @@ def test_a_windowed_row_is_masked_inside_full_blocks():
 @pytest.mark.slow  # compiles the library a second time (~15 s)
 def test_scalar_build_equals_the_vector_build(tmp_path):
     """The portable build (no -march=native: the scalar path, std::fma and the same exp polynomial) gives the AVX2
-    build's bits: ragged blocks, empty slots, a window, D = 24 / 32 / 64."""
-    import ctypes
-
-    if native.status().get("vector_width") != 8:
-        pytest.skip("this machine's build is the scalar one already")
-    lib = tmp_path / "scalar.so"
-    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
-    assert err is None, err
-    handle = ctypes.cdll.LoadLibrary(str(lib))
-    assert handle.kvjax_native_vector_width() == 1
+    build's bits: ragged blocks, empty slots, a window, D = 24 / 32 / 64, f32 and bf16 keys and values."""
+    handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_attend_scalar_test", jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
-    for T, G, D, window in [(17, 2, 32, None), (5, 3, 64, 300), (3, 2, 24, None)]:
-        q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(698, 350), per_head=True, seed=D)
-        outs = []
-        for target in (native.TARGET, "kvjax_attend_scalar_test"):
-            shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
-                      jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-            call = jax.ffi.ffi_call(target, shapes)
-            outs.append(call(q, k, v, q_pos, k_pos, window=np.int64(window or 0), scale=np.float32(D**-0.5),
-                             block=np.int64(native.default_block(D))))
-        for a, b in zip(*outs):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D, window)
+    shapes = lambda q: (jax.ShapeDtypeStruct(q.shape, jnp.float32),  # noqa: E731
+                        jax.ShapeDtypeStruct(q.shape[:3], jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    for kv_dtype in (jnp.float32, jnp.bfloat16):
+        for T, G, D, window in [(17, 2, 32, None), (5, 3, 64, 300), (3, 2, 24, None)]:
+            q, k, v, q_pos, k_pos = _case(T, G, K=2, D=D, S=701, lengths=(698, 350), per_head=True, seed=D,
+                                          kv_dtype=kv_dtype)
+            outs = [jax.ffi.ffi_call(target, shapes(q))(q, k, v, q_pos, k_pos, window=np.int64(window or 0),
+                                                        scale=np.float32(D**-0.5),
+                                                        block=np.int64(native.default_block(D)))
+                    for target in (native.TARGET, "kvjax_attend_scalar_test")]
+            for a, b in zip(*outs):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), (kv_dtype, T, G, D, window)

@@ -2,17 +2,19 @@
 
 bf16 -> f32 is exact, and the kernel widens keys as it transposes them and values as it loads them for p.V, so
 native(bf16 K/V) must equal native(f32 K/V rounded to bf16) exactly -- ragged lengths, empty slots, windows, GQA
-groups, D = 24 / 32 / 64 -- in the AVX2 build and in the portable scalar one.
+groups, D = 24 / 32 / 64. (The portable scalar build reads bf16 as the AVX2 build does:
+`tests/kernels/test_native.py::test_scalar_build_equals_the_vector_build[bfloat16]`.)
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from builders import native_attention_case
 
 import pallas_kernels as pk
 from kvjax.models import attention as attn
@@ -22,20 +24,7 @@ from pallas_kernels import reference as ref
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernel does not build here")
 
 
-def _case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0):
-    """f32 queries; bf16 keys/values over several native blocks (S = 700: the last block partial); ragged lengths."""
-    rng = np.random.default_rng(seed)
-    B = len(lengths)
-    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.bfloat16)
-    L = np.asarray(lengths)
-    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
-    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
-    if per_head:  # per-head holes, as a sparse draft cache has
-        k_pos = np.repeat(k_pos[:, None], K, axis=1)
-        k_pos[rng.random(k_pos.shape) < 0.3] = -1
-    return q, k, v, q_pos, jnp.asarray(k_pos)
+_case = functools.partial(native_attention_case, kv_dtype=jnp.bfloat16)
 
 
 def _stats(q, k, v, q_pos, k_pos, window=None):
@@ -98,25 +87,3 @@ def test_dispatcher_sends_bf16_parts_to_native(monkeypatch):
     want = attn.attend_stats(q, kf, vf, q_pos, k_pos)
     for a, b in zip(xla, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.slow  # compiles the library a second time (~15 s)
-def test_scalar_build_reads_bf16_as_the_vector_build(tmp_path):
-    if native.status().get("vector_width") != 8:
-        pytest.skip("this machine's build is the scalar one already")
-    lib = tmp_path / "scalar.so"
-    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
-    assert err is None, err
-    handle = ctypes.cdll.LoadLibrary(str(lib))
-    jax.ffi.register_ffi_target("kvjax_attend_bf16_scalar_test", jax.ffi.pycapsule(handle.KvjaxAttend),
-                                platform="cpu")
-    for T, G, D, window in [(17, 2, 32, None), (5, 3, 64, 300), (3, 2, 24, None)]:
-        q, k, v, q_pos, k_pos = _case(T, G, D=D, S=701, lengths=(698, 350), per_head=True, seed=D)
-        outs = []
-        for target in (native.TARGET, "kvjax_attend_bf16_scalar_test"):
-            shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
-                      jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-            outs.append(jax.ffi.ffi_call(target, shapes)(q, k, v, q_pos, k_pos, window=np.int64(window or 0),
-                                                         scale=np.float32(D**-0.5),
-                                                         block=np.int64(native.default_block(D))))
-        _assert_same(*outs)

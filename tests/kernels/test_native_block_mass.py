@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from builders import scalar_native_library
 
 from kvjax.models import attention_scores
 from kvjax.models.attention_scores import block_mass_reference
@@ -141,15 +142,7 @@ def test_bad_shapes_raise_naming_the_problem():
 def test_scalar_build_equals_the_vector_build(tmp_path):
     """The portable build (no -march=native: scalar lanes, std::fma, the same exp polynomial) gives the AVX2 build's
     bits, ragged blocks, D = 24 (scalar in both builds) and rows as lanes (9 and 48 rows per head) included."""
-    import ctypes
-
-    if native.status().get("vector_width") != 8:
-        pytest.skip("this machine's build is the scalar one already")
-    lib = tmp_path / "scalar.so"
-    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
-    assert err is None, err
-    handle = ctypes.cdll.LoadLibrary(str(lib))
-    assert handle.kvjax_native_vector_width() == 1
+    handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_block_mass_scalar_test", jax.ffi.pycapsule(handle.KvjaxBlockMass),
                                 platform="cpu")
     for R, G, D, block in [(2, 2, 32, 16), (16, 3, 64, 7), (3, 1, 24, 16), (3, 3, 24, 16)]:
