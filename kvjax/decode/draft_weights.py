@@ -39,7 +39,8 @@ def check_draft_weights(name: str, family_name: str | None = None) -> str:
 
 def draft_params(model, weights: str = "float32"):
     """The params drafting reads: `model.params` for "float32"; for "bfloat16" the fused bf16 copy (made on first
-    use, then kept while the model's params live)."""
+    use, then kept while the model's params live); InputError (`check_draft_weights`) for any other name or where
+    this family or platform cannot draft with it."""
     if weights == "float32":
         return model.params
     check_draft_weights(weights, model.family.name)

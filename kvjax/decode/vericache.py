@@ -151,14 +151,14 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     xmax = xs[-1]
     seed_a = jnp.asarray([seed], jnp.int32)
     met = RunMetrics(name=f"vericache[{getattr(comp, 'name', type(comp).__name__)}]", params=params)
-    weights = check_draft_weights(getattr(comp, "draft_weights", "float32"), family.name)  # before any compute
+    # what drafting reads: the model's weights or their bf16 copy (checked, and made once per model, before any compute)
+    dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))
     t0 = time.perf_counter()
     if draft_cache is None:
         dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
     else:
         dcache = draft_cache
-    dparams = draft_params(model, weights)  # what drafting reads: the model's weights or their bf16 copy
-    jax.block_until_ready((dcache, dparams))
+    jax.block_until_ready(dcache)
     met.compress_s = time.perf_counter() - t0
     met.full_prompt_bytes = family.read_bytes(full, P)
     fixed_bytes = family.read_bytes(full, 0)  # a verify reads these plus row_bytes per cached token

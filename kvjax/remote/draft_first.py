@@ -34,7 +34,7 @@ from kvjax.errors import CorruptEntry
 from kvjax.decode import draft as draft_mod
 from kvjax.decode import steps
 from kvjax.decode import verify as verify_mod
-from kvjax.decode.draft_weights import check_draft_weights, draft_params
+from kvjax.decode.draft_weights import draft_params
 from kvjax.decode.reference import reference_step
 from kvjax.decode import vericache as vc
 from kvjax.remote import prefix_entry as pe
@@ -256,7 +256,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
     comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
-    dparams = draft_params(model, check_draft_weights(getattr(comp, "draft_weights", "float32"), model.family.name))
+    dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))  # checks it
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []
     body = _find_full(model, store, ns, prompt, reasons)
