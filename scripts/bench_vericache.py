@@ -127,7 +127,8 @@ def main(argv=None):
     ap.add_argument("--offload", default="kvzip", help="compressors also run offloaded (comma list, or 'none')")
     ap.add_argument("--adaptive", default=None, help="drafters also run with adaptive x (comma list; default: the "
                                                       "first of --compressors)")
-    ap.add_argument("--no-baselines", action="store_true", help="skip the MagicDec/QuantSpec/adaptive configs")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="skip the MagicDec/QuantSpec configs (and the adaptive one unless --adaptive names it)")
     ap.add_argument("--no-lossy", action="store_true", help="skip the lossy (draft-cache-only) decoders")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_vericache.json")
@@ -169,6 +170,7 @@ def main(argv=None):
     if not args.no_baselines:
         contenders += [(n, c) for n, c in (("magicdec[streaming,x=4]", "streaming"), ("quantspec[kivi4,x=8]", "kivi4"))
                        if c in comps]
+    if not args.no_baselines or args.adaptive:  # an explicit --adaptive runs even without the baselines
         adaptive = [c for c in (args.adaptive or names[0]).split(",") if c]
         missing = [c for c in adaptive if c not in names]
         if missing:  # a drafter runs adaptive only with its compressed cache, which --compressors makes

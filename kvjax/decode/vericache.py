@@ -250,7 +250,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         if on_round is not None:
             on_round(new, None if lps is None else lps[-1])
         if policy is not None:
-            x = policy.next(x, n_host, tb - ta, td - tb)
+            x = policy.next(x, n_host, tb - ta, te - tb)  # a round's fixed part: verify, transfer, re-select
         if should_stop is not None and should_stop(out):
             break
     met.decode_s = time.perf_counter() - t_start

@@ -51,3 +51,17 @@ def test_adaptive_cost_policy_is_exact(hf_model_dir):
                                  adaptive_policy="cost", compressor_kw={"residual": 16}, ignore_eos=True)
     np.testing.assert_array_equal(g.tokens, ref.tokens)
     assert set(g.stats["draft_lengths"]) <= {2, 4, 8}
+
+
+def test_cost_model_leaves_short_drafts_when_every_one_is_accepted_after_an_unlucky_start():
+    """Two early rounds of x = 8 rejected at depth 4 must not pin the policy to x = 4 once every draft is accepted:
+    depths with few trials follow the pooled acceptance (a per-depth estimate alone never re-tries them)."""
+    m = CostModel((2, 4, 8, 16))
+    x = m.next(8, 8, 8e-3, 10e-3)  # compiling round
+    for _ in range(2):
+        x = m.next(8, 4, 8e-3, 10e-3)
+    picked = []
+    for _ in range(20):
+        x = m.next(x, x, x * 1e-3, 10e-3)  # from here on every draft is accepted
+        picked.append(x)
+    assert picked[-1] >= 8, picked
