@@ -20,8 +20,8 @@ COMPRESSORS = ("streaming", "snapkv", "kvzip", "kivi2", "kivi4", "dropquant", "r
                "refresh_kivi4")
 DEFAULT_DRAFT_LEN = 32  # == draft_length.DEFAULT_FIXED: a fixed x where adaptation is not available (batches)
 ADAPTIVE_START = 8  # == draft_length.DEFAULT_START: the first round's x of an adaptive run without --draft-len
-VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "ratio", "draft_dtype", "draft_weights", "offload",
-                  "compare_full", "rejection")
+VERICACHE_ONLY = ("compressor", "draft_len", "adaptive", "ratio", "max_kept", "draft_dtype", "draft_weights",
+                  "offload", "compare_full", "rejection")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -68,6 +68,8 @@ def check_args(args) -> None:
             raise CliError(f"--draft-len must be in [1, {MAX_DRAFT_LEN}], got {args.draft_len}")
         if args.ratio is not None and not args.ratio >= 1:
             raise CliError(f"--ratio must be >= 1 (prompt tokens per kept token), got {args.ratio}")
+        if args.max_kept is not None and args.max_kept < 32:
+            raise CliError(f"--max-kept must be >= 32 (kept tokens per head), got {args.max_kept}")
         if args.rejection and args.temperature == 0:
             raise CliError("--rejection needs --temperature > 0")
         if args.offload and args.tp * args.dp > 1:
@@ -171,9 +173,10 @@ def check_context(model, n_prompt: int, n_new: int) -> None:
 
 
 def _compressor_kw(args) -> dict:
-    """The drafter's fields the command line set (--ratio, --draft-dtype, --draft-weights); the rest keep its
-    defaults."""
-    given = dict(ratio=args.ratio, draft_dtype=args.draft_dtype, draft_weights=args.draft_weights)
+    """The drafter's fields the command line set (--ratio, --max-kept, --draft-dtype, --draft-weights); the rest keep
+    its defaults."""
+    given = dict(ratio=args.ratio, max_kept=args.max_kept, draft_dtype=args.draft_dtype,
+                 draft_weights=args.draft_weights)
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -462,6 +465,8 @@ def register(sub) -> None:
                         "step times, starting at --draft-len (the default when --draft-len is not given)")
     v.add_argument("--ratio", type=float, help="the draft's compression ratio: prompt tokens per kept token "
                                                "(default: the drafter's, 4)")
+    v.add_argument("--max-kept", type=int, help="at most this many kept tokens per head, whatever the prompt's length "
+                                                "(default: the default drafter's 2048; a named drafter's none)")
     v.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
                    help="dtype of the draft's kept keys and values (default float32, the default drafter's bfloat16 "
                         "where read directly; bfloat16: half the bytes)")

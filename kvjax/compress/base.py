@@ -117,6 +117,9 @@ class Compressor:
         draft_weights: the weights the draft reads, "float32" (the model's) or "bfloat16" (a bf16 copy: half the
             bytes per draft token; verification keeps the f32 weights, so output is unchanged —
             `kvjax.decode.draft_weights`; keyword only).
+        max_kept: at most this many kept tokens per head whatever the prompt's length (None: no cap; keyword only).
+            A draft token's cost grows with the kept tokens while acceptance saturates, so a long prompt is best
+            drafted from a fixed number of tokens rather than a fixed fraction (README "Cheaper drafts").
     """
 
     ratio: float = 4.0
@@ -124,6 +127,7 @@ class Compressor:
     name: str = dataclasses.field(default="base", init=False)
     draft_dtype: str = dataclasses.field(default="float32", kw_only=True)
     draft_weights: str = dataclasses.field(default="float32", kw_only=True)
+    max_kept: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         if not self.ratio >= 1:  # also NaN
@@ -132,10 +136,14 @@ class Compressor:
             raise ValueError(f"draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, got {self.draft_weights!r}")
+        if self.max_kept is not None and (isinstance(self.max_kept, bool) or not isinstance(self.max_kept, int)
+                                          or self.max_kept < 32):
+            raise ValueError(f"max_kept (kept tokens per head) must be an integer >= 32 or None, got {self.max_kept!r}")
 
     def budget(self, prompt_len: int) -> int:
-        """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32)."""
-        return max(32, round_up(prompt_len / self.ratio, 32))
+        """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32; at most `max_kept`)."""
+        kept = prompt_len / self.ratio if self.max_kept is None else min(prompt_len / self.ratio, self.max_kept)
+        return max(32, round_up(kept, 32))
 
     def prepare(self, params, config: ModelConfig, full: ModelCache, prompt) -> dict:
         """Per-prompt data shared by all layers (scores); default none."""

@@ -97,3 +97,11 @@ def test_bf16_refresh_draft_in_the_scheduler_is_exact(hf_model_dir):
                                     compressor_kw=dict(REFRESH, draft_dtype="bfloat16"), draft_len=4, ignore_eos=True)
     for p, g in zip(prompts, outs):
         np.testing.assert_array_equal(g.tokens, kvjax.reference_decode(m, p, 16, draft_len=4).tokens)
+
+
+def test_max_kept_caps_the_budget_and_is_checked():
+    c = make_compressor("snapkv", ratio=4.0, max_kept=256)
+    assert (c.budget(512), c.budget(4096)) == (128, 256)
+    for bad in (0, 31, 2.5, True):
+        with pytest.raises(ValueError, match="max_kept"):
+            make_compressor("snapkv", max_kept=bad)

@@ -63,6 +63,7 @@ def test_the_default_drafter_drafts_in_bf16_where_the_kernels_read_it(hf_model_d
     directly; a named drafter keeps its f32 defaults, and given fields win over the default ones."""
     m = kvjax.load(hf_model_dir("llama")[1])
     d = m.family.make_compressor(None)
-    assert (d.name, d.draft_dtype, d.draft_weights) == ("refresh", "bfloat16", "bfloat16")
+    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", "bfloat16", "bfloat16", 2048)
+    assert (d.budget(4096), d.budget(32768), d.budget(100)) == (1024, 2048, 32)  # ratio 4, capped at 2048
     assert m.family.make_compressor("refresh").draft_weights == "float32"
     assert m.family.make_compressor(None, draft_weights="float32").draft_weights == "float32"
