@@ -259,3 +259,29 @@ def parse_model_args(ap, args, known, min_context: int) -> tuple[list[int], list
     if args.new_tokens < 1:
         ap.error(f"--new-tokens must be at least 1, got {args.new_tokens}")
     return contexts, compressors
+
+
+def _field_value(value: str):
+    """A field's value as written: int, float, else the string (e.g. draft_dtype=bfloat16)."""
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_drafter_spec(spec: str, defaults: dict, overrides: dict | None, prog: str) -> tuple[str, dict]:
+    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2',
+    'refresh:ratio=8:draft_dtype=bfloat16') -> (name, fields) over the benchmark's `defaults[name]`, updated by
+    `overrides` (e.g. --ratio) and then by the spec's own fields; a bad spec exits with `prog`'s one-line error."""
+    name, *fields = spec.split(":")
+    if name not in defaults:
+        raise SystemExit(f"{prog}: error: unknown compressor {name!r}; expected one of {sorted(defaults)}")
+    kw = {**defaults[name], **(overrides or {})}
+    for f in fields:
+        key, eq, value = f.partition("=")
+        if not eq:
+            raise SystemExit(f"{prog}: error: {f!r} in {spec!r} is not field=value")
+        kw[key] = _field_value(value)
+    return name, kw

@@ -39,7 +39,7 @@ from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.scheduling import requests  # noqa: E402
 from kvjax.scheduling import vericache_scheduler as sch  # noqa: E402
 from kvjax.scheduling.full_scheduler import FullCacheScheduler  # noqa: E402
-from bench_common import heldout_prompts, load_bench_model, run_meta  # noqa: E402
+from bench_common import heldout_prompts, load_bench_model, parse_drafter_spec, run_meta  # noqa: E402
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
                  "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128),
@@ -119,7 +119,9 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--budget-bytes", type=int, default=None, help="default: two full caches + one layer")
     ap.add_argument("--draft-len", type=int, default=16)
-    ap.add_argument("--compressor", default="streaming", choices=sorted(COMPRESSOR_KW))
+    ap.add_argument("--compressor", default="streaming",
+                    help=f"drafter: one of {sorted(COMPRESSOR_KW)}, optionally with fields, e.g. "
+                         "'refresh:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048'")
     ap.add_argument("--ratio", type=float, default=None, help="compression ratio (token-dropping compressors)")
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--verify-slots", type=int, default=1)
@@ -135,9 +137,8 @@ def main(argv=None):
     R, M, x = args.requests, args.new_tokens, args.draft_len
     P = args.context - M - x - 2  # prompt + new tokens + one verify block fill the --context bucket
     prompts, source = heldout_prompts(model, model_name, P, R, args.seed)
-    ckw = dict(COMPRESSOR_KW[args.compressor])
-    if args.ratio is not None:
-        ckw["ratio"] = args.ratio
+    comp_name, ckw = parse_drafter_spec(args.compressor, COMPRESSOR_KW,
+                                        {} if args.ratio is None else {"ratio": args.ratio}, "bench_scheduler")
 
     t0 = time.perf_counter()
     pre = [requests.prefill_request(model, p, M, draft_len=x) for p in prompts]
@@ -166,10 +167,10 @@ def main(argv=None):
     contenders = [
         ("full", lambda: FullCacheScheduler(model, budget_bytes=budget, draft_len=x, max_slots=args.max_slots)),
         ("vericache-lockstep", lambda: sch.VeriCacheScheduler(
-            model, budget_bytes=budget, compressor=args.compressor, compressor_kw=ckw, draft_len=x, mode="lockstep",
+            model, budget_bytes=budget, compressor=comp_name, compressor_kw=ckw, draft_len=x, mode="lockstep",
             max_slots=args.max_slots, verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
         ("vericache-staggered", lambda: sch.VeriCacheScheduler(
-            model, budget_bytes=budget, compressor=args.compressor, compressor_kw=ckw, draft_len=x, mode="staggered",
+            model, budget_bytes=budget, compressor=comp_name, compressor_kw=ckw, draft_len=x, mode="staggered",
             stagger=args.stagger, draft_chunk=args.draft_chunk, max_slots=args.max_slots,
             verify_slots=args.verify_slots, recent_slots=recent, tail_capacity=tail_cap)),
     ]
@@ -236,7 +237,7 @@ def main(argv=None):
           f"staggering can win over lock-step); achieved {100 * ideal['achieved_fraction']:.0f}% of it")
 
     out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
-                           compressor=args.compressor, compressor_kw=ckw, budget_bytes=budget,
+                           compressor=comp_name, compressor_kw=ckw, budget_bytes=budget,
                            full_cache_bytes=full_bytes, prompt_source=source, model=model_name,
                            verify_slots=args.verify_slots, stagger=args.stagger,
                            draft_chunk=args.draft_chunk, prefill_s=t_prefill,

@@ -39,37 +39,15 @@ from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.decode import vericache as vc  # noqa: E402
 from kvjax.decode.draft_length import DEFAULT_SET  # noqa: E402
-from bench_common import STATIC_DRAFTERS, heldout_prompts, load_bench_model, run_meta, tokens_and_stats  # noqa: E402
+from bench_common import (STATIC_DRAFTERS, heldout_prompts, load_bench_model, parse_drafter_spec, run_meta,  # noqa: E402
+                          tokens_and_stats)
 
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
 
 
-def _field_value(value: str):
-    """A field's value as written: int, float, else the string (e.g. draft_dtype=bfloat16)."""
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
 def parse_compressor(spec: str, overrides: dict | None = None) -> tuple[str, dict]:
-    """'name' or 'name:field=value:field=value' (an ablation, e.g. 'refresh:block=32:period=2',
-    'refresh:ratio=8:draft_dtype=bfloat16') -> (name, fields) over this benchmark's defaults for that name, updated
-    by `overrides` (--ratio, --draft-dtype) and then by the spec's own fields."""
-    name, *fields = spec.split(":")
-    if name not in COMPRESSORS:
-        raise SystemExit(f"bench_vericache: error: unknown compressor {name!r}; expected one of {sorted(COMPRESSORS)}")
-    kw = {**COMPRESSORS[name], **(overrides or {})}
-    for f in fields:
-        key, eq, value = f.partition("=")
-        if not eq:
-            raise SystemExit(f"bench_vericache: error: {f!r} in {spec!r} is not field=value")
-        kw[key] = _field_value(value)
-    return name, kw
-
-
+    """`bench_common.parse_drafter_spec` over this benchmark's defaults (COMPRESSORS)."""
+    return parse_drafter_spec(spec, COMPRESSORS, overrides, "bench_vericache")
 
 
 def copy(tree):
