@@ -154,7 +154,7 @@ def main(argv=None):
         if missing:  # a drafter runs adaptive only with its compressed cache, which --compressors makes
             raise SystemExit(f"bench_vericache: error: --adaptive {','.join(missing)} not in --compressors")
         contenders += [(f"vc-adaptive[{c}]", c) for c in adaptive]
-    acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[]) for n, _ in contenders}
+    acc = {n: dict(time=0.0, tokens=0, identical=0, match=0, first_div=[], stats=[], times=[]) for n, _ in contenders}
     plain_agree, plain_margins = [], []
     compress_s = {}
 
@@ -206,6 +206,7 @@ def main(argv=None):
             results[name] = toks
             a = acc[name]
             a["time"] += dt
+            a["times"].append(dt)
             a["tokens"] += M
             same = toks == ref
             a["identical"] += int(same.all())
@@ -234,6 +235,8 @@ def main(argv=None):
                    token_match_fraction=a["match"] / n_p if name != "reference" else 1.0,
                    mean_first_divergence=float(np.mean(a["first_div"])) if a["first_div"] else float(M),
                    mean_accepted_per_round=None, draft_bytes_ratio=None)
+        if a["times"] and name != "reference":  # each prompt's own ratio (same prompt, same token count)
+            rec["per_prompt_speedup"] = [f / t for f, t in zip(acc["full"]["times"], a["times"])]
         if a["stats"]:
             S = a["stats"]
             mean = lambda k: float(np.mean([s[k] for s in S]))  # noqa: E731
