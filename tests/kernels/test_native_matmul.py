@@ -59,3 +59,19 @@ def test_linear_dispatch():
         from pallas_kernels.native.matmul import matmul_bf16
 
         matmul_bf16(x, w[:5])
+
+
+@pytest.mark.slow  # compiles the library a second time (~15 s)
+def test_scalar_build_equals_the_vector_build(tmp_path):
+    """The portable build (scalar loop, std::fma) gives the vector build's bits (16-column AVX-512 runs where the CPU
+    has them, then 8-column AVX2 runs, then single columns): widths that leave every kind of remainder."""
+    from builders import scalar_native_library
+
+    handle = scalar_native_library(tmp_path)
+    jax.ffi.register_ffi_target("kvjax_matmul_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulBf16),
+                                platform="cpu")
+    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543)]:
+        x, w = _case(M, K, N, seed=N)
+        out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+        a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w)) for t in (native.MATMUL_TARGET, "kvjax_matmul_scalar_test"))
+        assert np.array_equal(a, b), (M, K, N)
