@@ -41,6 +41,7 @@ BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kern
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 _lock = threading.Lock()
 _state: dict = {}
+_handles: list = []  # the loaded library (ctypes), for its plain C entry points
 
 
 def _cache_dir() -> Path:
@@ -121,6 +122,7 @@ def _build() -> dict:
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue
+        _handles.append(handle)
         return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width())
     return dict(ok=False, reason="build failed: " + " | ".join(errors))
 
@@ -131,6 +133,17 @@ def status() -> dict:
         if not _state:
             _state.update(_build())
         return dict(_state)
+
+
+def set_spin_us(us: int) -> None:
+    """How long (microseconds) the kernels' pool workers spin for the next job before they sleep (default 300, or
+    $KVJAX_NATIVE_SPIN_US): for benchmarks that compare settings in one process. Raises where the library is not
+    loaded."""
+    if not available():
+        raise RuntimeError(f"the native library is not available: {status()['reason']}")
+    if int(us) < 0:
+        raise ValueError(f"spin window must be >= 0 microseconds, got {us}")
+    _handles[-1].kvjax_native_set_spin_us(ctypes.c_longlong(int(us)))
 
 
 def available() -> bool:

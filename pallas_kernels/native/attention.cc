@@ -697,3 +697,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
                                   .Attr<int64_t>("block"));
 
 extern "C" int kvjax_native_vector_width() { return KVJAX_AVX2 ? 8 : 1; }
+// The thread pool's spin window (microseconds), for measuring its effect within one process (benchmarks).
+extern "C" void kvjax_native_set_spin_us(long long us) { kvjax_native::Pool::get().set_spin_us(us); }
