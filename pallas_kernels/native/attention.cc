@@ -530,9 +530,11 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   }
 }
 
-// One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g).
+// One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g), against key
+// blocks [i0, i1); its statistics go to (o, m, l), laid out as the call's outputs.
 template <typename T>
-void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
+void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t i0, int64_t i1, float* out_o,
+             float* out_m, float* out_l) {
   const int64_t S = P.S, D = P.D, G = P.G, BK = P.block;
   const T* kt = static_cast<const T*>(P.k) + (b * P.K + h) * S * D;
   const T* vt = static_cast<const T*>(P.v) + (b * P.K + h) * S * D;
@@ -543,7 +545,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   std::vector<int32_t> bmin(nblocks), bmax(nblocks);
   std::vector<uint8_t> dense(nblocks);
   int64_t used = 0;
-  for (int64_t i = 0; i < nblocks; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     int32_t mn = INT32_MAX, mx = -1;
     const int64_t j1 = std::min(S, (i + 1) * BK);
     int64_t occupied = 0;
@@ -584,7 +586,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   W.vis.resize(kChunk);
   W.full.resize(kChunk);
   std::vector<int64_t> act(NR);
-  for (int64_t i = 0; i < used; ++i) {
+  for (int64_t i = i0; i < used; ++i) {
     if (bmax[i] < 0) continue;
     Block<T> blk;
     const int64_t j0 = i * BK;
@@ -612,9 +614,46 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1) {
   for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
     const int64_t qi = (b * P.T + t) * P.N + h * G + g;
-    std::memcpy(P.o + qi * D, R.o.data() + r * D, D * sizeof(float));
-    P.m[qi] = R.m[r];
-    P.l[qi] = R.l[r];
+    std::memcpy(out_o + qi * D, R.o.data() + r * D, D * sizeof(float));
+    out_m[qi] = R.m[r];
+    out_l[qi] = R.l[r];
+  }
+}
+
+// Keys per segment: a row's keys are taken in segments of this many (whole blocks), each segment's statistics
+// computed on its own, then merged in segment order (`MergeSegments`). The segments depend only on the cache's
+// capacity and the block, never on the rows in the call or the threads, so a row's arithmetic is still fixed by the
+// shape; a cache of at most this many slots is one segment (the plain online softmax over every block in order).
+// Why: one decode row attends each KV head's whole cache; SmolLM2's 3 KV heads on 2 threads left one thread two
+// heads' keys (a third of the time the other idled) at one core's bandwidth. Segments give every thread an equal
+// share of the keys (flash-decoding's split-K, with a fixed split).
+constexpr int64_t kSegmentKeys = 2048;
+
+inline int64_t SegmentBlocks(int64_t block) { return std::max<int64_t>(1, kSegmentKeys / std::max<int64_t>(block, 1)); }
+
+// out[qi] from the segments' statistics, in segment order: m the largest m_s; l and o each one FMA chain over the
+// segments of (l_s, o_s) x exp(m_s - m) (an empty segment has m_s = M_INIT and l_s = o_s = 0: it adds exactly 0, and
+// a row that sees nothing keeps M_INIT, 0, 0). Scalar code in both builds (ExpScalar equals the vector exp).
+void MergeSegments(const Problem& P, int64_t nseg, const float* po, const float* pm, const float* pl, int64_t rows_lo,
+                   int64_t rows_hi) {
+  const int64_t D = P.D, Q = P.B * P.T * P.N;
+  std::vector<float> scale(nseg);
+  for (int64_t qi = rows_lo; qi < rows_hi; ++qi) {
+    float m = kMInit;
+    for (int64_t s = 0; s < nseg; ++s) m = std::max(m, pm[s * Q + qi]);
+    float l = 0.0f;
+    for (int64_t s = 0; s < nseg; ++s) {
+      scale[s] = ExpScalar(pm[s * Q + qi] - m);  // finite - finite (M_INIT is -FLT_MAX)
+      l = s == 0 ? pl[qi] * scale[0] : std::fma(pl[s * Q + qi], scale[s], l);
+    }
+    float* o = P.o + qi * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = po[qi * D + d] * scale[0];
+      for (int64_t s = 1; s < nseg; ++s) acc = std::fma(po[(s * Q + qi) * D + d], scale[s], acc);
+      o[d] = acc;
+    }
+    P.m[qi] = m;
+    P.l[qi] = l;
   }
 }
 
@@ -666,17 +705,33 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer 
   // (memory-bound: every unit of a tile reads and transposes all its keys, so splitting its rows would read them
   // once per thread -- measured at SmolLM2's 3 KV heads, 1 row: 1.3x slower split); otherwise row ranges too.
   // (Which thread runs a row never changes its arithmetic.)
-  const int64_t chunks = (tiles % threads == 0 || rows < kSplitMinRows) ? 1 : std::min<int64_t>(threads, rows);
+  const int64_t nblocks = (P.S + P.block - 1) / P.block, segb = SegmentBlocks(P.block);
+  const int64_t nseg = (nblocks + segb - 1) / segb;
+  const int64_t chunks =
+      (nseg > 1 || tiles % threads == 0 || rows < kSplitMinRows) ? 1 : std::min<int64_t>(threads, rows);
   const int64_t per = (rows + chunks - 1) / chunks;
-  pool.Run(tiles * chunks, [&](int64_t u) {
-    const int64_t tile = u / chunks, c = u % chunks;
+  const int64_t Q = P.B * P.T * P.N;
+  // one segment: straight into the outputs; several: each segment's statistics apart, merged after
+  std::vector<float> po(nseg > 1 ? nseg * Q * P.D : 0), pm(nseg > 1 ? nseg * Q : 0), pl(nseg > 1 ? nseg * Q : 0);
+  pool.Run(tiles * chunks * nseg, [&](int64_t u) {
+    const int64_t sg = u % nseg, tile = u / nseg / chunks, c = u / nseg % chunks;
     const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
     if (r0 >= r1) return;
+    const int64_t i0 = sg * segb, i1 = std::min(nblocks, i0 + segb);
+    float* oo = nseg > 1 ? po.data() + sg * Q * P.D : P.o;
+    float* om = nseg > 1 ? pm.data() + sg * Q : P.m;
+    float* ol = nseg > 1 ? pl.data() + sg * Q : P.l;
     if (P.bf16)
-      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, r0, r1);
+      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
     else
-      RunUnit<float>(P, tile / P.K, tile % P.K, r0, r1);
+      RunUnit<float>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
   });
+  if (nseg > 1) {
+    const int64_t parts = std::min<int64_t>(threads, Q);
+    pool.Run(parts, [&](int64_t u) {
+      MergeSegments(P, nseg, po.data(), pm.data(), pl.data(), u * Q / parts, (u + 1) * Q / parts);
+    });
+  }
   return ffi::Error::Success();
 }
 
