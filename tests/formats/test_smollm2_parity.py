@@ -11,6 +11,8 @@ set, the measured max |delta logit| per prompt and the greedy agreement are writ
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -50,13 +52,32 @@ def kv():
 
 @pytest.fixture(scope="module")
 def hf(kv):
-    """transformers' model and tokenizer from the same GGUF file (loaded once: ~10-60 s)."""
+    """transformers' model and tokenizer from the same GGUF file, by its own loaders (loaded once: ~10-60 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, f = os.path.split(kv.path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     return model, tok
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Memoise two pure functions of the `gguf` package while transformers loads the file.
+
+    transformers' legacy GGUF loader builds a `gguf.GGUFReader` (which parses every metadata field, the 49,152-entry
+    vocabulary included: ~4 s) for the tokenizer's config, for the model's config and for the weights, and calls
+    `gguf.get_tensor_name_map` once per submodule (~400 times, ~5 s). Both depend only on their arguments (the
+    reader maps the file read-only), so one parse and one map serve every call: transformers' own metadata
+    conversion, dequantisation and tokenizer stay the independent reference, unchanged.
+    """
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
