@@ -32,9 +32,10 @@ namespace kvjax_native {
 // few iterations: a pure pause loop took a core from XLA's threads between our calls and slowed SmolLM2's 8K
 // full-cache decode 5%; with the yield, in one process, decode went 63.8 -> 61.0 ms and a bf16 draft token 25.6 ->
 // 22.3 ms against no spinning. A worker spins only while jobs come within the window of each other (a step's loop);
-// after a longer gap it sleeps at once: spinning after every call cost the test suite (thousands of calls between
-// compiles) 16% more wall time; with the rule, two test files take the same CPU time as with no spinning, and in one
-// process a bf16 draft token is 24.3 ms against 26.6 with no spinning (full-cache decode 63.8 vs 64.5 ms). The window: KVJAX_NATIVE_SPIN_US, default 300 us; 0 = sleep at once;
+// after a longer gap it sleeps at once, so a process that calls the kernels now and then (tests, a server between
+// requests) burns nothing after each call. Measured with the rule: two test files take the CPU time they take with
+// no spinning, and in one process a bf16 draft token is 24.3 ms against 26.6 with no spinning (full-cache decode
+// 63.8 vs 64.5 ms). The window: KVJAX_NATIVE_SPIN_US, default 300 us; 0 = sleep at once;
 // `pallas_kernels.native.set_spin_us`.
 class Pool {
  public:
