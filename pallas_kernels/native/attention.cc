@@ -70,15 +70,6 @@ namespace {
 constexpr float kMInit = -FLT_MAX;  // online_softmax.M_INIT
 using namespace kvjax_native;  // Pool, QKShape, exponentials, lane reductions (pool.h, shapes.h, simd.h)
 
-// bf16 -> f32, exactly: a bf16 is the high 16 bits of the f32 of the same value. Elements are float (f32 caches,
-// unchanged) or uint16_t (bf16 bits).
-inline float Widen(float x) { return x; }
-inline float Widen(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // ------------------------------------------------------------------------------------------------ the problem
 // k and v point at float or uint16_t (bf16) elements, per `bf16`.
@@ -136,23 +127,7 @@ constexpr int64_t kSplitMinRows = 24;
 inline int64_t PanelKeys(int64_t D) { return D <= 32 ? 64 : 32; }
 
 #if KVJAX_AVX2
-// 8 (4) consecutive elements as f32 lanes: a plain load, or bf16 bits zero-extended to 32 and shifted up 16.
-inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 Load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#if defined(__AVX512F__)
-#define KVJAX_AVX512 1
-// 16 values as f32 lanes (p.V on AVX-512 CPUs: 16 columns per register, the same per-column chain).
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#else
-#define KVJAX_AVX512 0
-#endif
+// 4 consecutive elements as f32 lanes (Load8 and Load16: simd.h).
 inline __m128 Load4(const float* p) { return _mm_loadu_ps(p); }
 inline __m128 Load4(const uint16_t* p) {
   const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -304,79 +279,72 @@ inline float ExpSum(float* s, int64_t npad, float m) {
   return Reduce8(t);
 }
 
-// o = alpha * o (when first) then o += p[j] * v[j] for j in [0, m) in slot order, for R rows and CC vectors of
-// columns (o, vb offset to the first column). One FMA chain per (row, column) over j: the tile shape never changes
-// a row's arithmetic.
-template <int R, int CC, typename T>
+// A register of f32 lanes for p.V: 8 (AVX2) or, where the CPU has AVX-512, 16 columns. Each (row, column) is the
+// same FMA chain over j at either width, so both give the scalar build's bits.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V Set1(float x) { return _mm256_set1_ps(x); }
+  static V LoadF(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V Load(const T* p) { return Load8(p); }
+  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static void Pin(V& x) { __asm__("" : "+x"(x)); }
+};
+#if KVJAX_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V Set1(float x) { return _mm512_set1_ps(x); }
+  static V LoadF(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V Load(const T* p) { return Load16(p); }
+  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void Pin(V& x) { __asm__("" : "+v"(x)); }
+};
+#endif
+
+// o = alpha * o (when first) then o += p[j] * v[j] for j in [0, m) in slot order, for R rows and CC registers of
+// L::kWidth columns (o, vb offset to the first column). One FMA chain per (row, column) over j: neither the tile
+// shape nor the register width changes a row's arithmetic.
+template <typename L, int R, int CC, typename T>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
                    int64_t m, int64_t D) {
-  __m256 acc[R][CC];
+  using V = typename L::V;
+  constexpr int W = L::kWidth;
+  V acc[R][CC];
   KVJAX_UNROLL
   for (int r = 0; r < R; ++r) {
-    const __m256 va = _mm256_set1_ps(alpha[r]);
+    const V va = L::Set1(alpha[r]);
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
-      acc[r][c] = _mm256_loadu_ps(o[r] + 8 * c);
-      if (first) acc[r][c] = _mm256_mul_ps(va, acc[r][c]);
+      acc[r][c] = L::LoadF(o[r] + W * c);
+      if (first) acc[r][c] = L::Mul(va, acc[r][c]);
     }
   }
   for (int64_t j = 0; j < m; ++j) {
-    __m256 vv[CC];
+    V vv[CC];
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
-      vv[c] = Load8(vb + j * D + 8 * c);
-      // one load (and widening) per value vector, shared by the R rows (not folded into each FMA)
-      __asm__("" : "+x"(vv[c]));
+      vv[c] = L::Load(vb + j * D + W * c);
+      L::Pin(vv[c]);  // one load (and widening) per value register, shared by the R rows (not folded into each FMA)
     }
     KVJAX_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      const V pj = L::Set1(p[r][j]);
       KVJAX_UNROLL
-      for (int c = 0; c < CC; ++c) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
+      for (int c = 0; c < CC; ++c) acc[r][c] = L::Fma(pj, vv[c], acc[r][c]);
     }
   }
   KVJAX_UNROLL
   for (int r = 0; r < R; ++r)
     KVJAX_UNROLL
-    for (int c = 0; c < CC; ++c) _mm256_storeu_ps(o[r] + 8 * c, acc[r][c]);
+    for (int c = 0; c < CC; ++c) L::Store(o[r] + W * c, acc[r][c]);
 }
-
-#if KVJAX_AVX512
-// PVTile with 16 columns per register (AVX-512): each (row, column) is the same FMA chain over j, so the result is
-// the AVX2 tile's (and the scalar build's) bit for bit, at half the instructions per value.
-template <int R, int CC, typename T>
-inline void PVTile16(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
-                     int64_t m, int64_t D) {
-  __m512 acc[R][CC];
-  KVJAX_UNROLL
-  for (int r = 0; r < R; ++r) {
-    const __m512 va = _mm512_set1_ps(alpha[r]);
-    KVJAX_UNROLL
-    for (int c = 0; c < CC; ++c) {
-      acc[r][c] = _mm512_loadu_ps(o[r] + 16 * c);
-      if (first) acc[r][c] = _mm512_mul_ps(va, acc[r][c]);
-    }
-  }
-  for (int64_t j = 0; j < m; ++j) {
-    __m512 vv[CC];
-    KVJAX_UNROLL
-    for (int c = 0; c < CC; ++c) {
-      vv[c] = Load16(vb + j * D + 16 * c);
-      __asm__("" : "+v"(vv[c]));
-    }
-    KVJAX_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r][j]);
-      KVJAX_UNROLL
-      for (int c = 0; c < CC; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vv[c], acc[r][c]);
-    }
-  }
-  KVJAX_UNROLL
-  for (int r = 0; r < R; ++r)
-    KVJAX_UNROLL
-    for (int c = 0; c < CC; ++c) _mm512_storeu_ps(o[r] + 16 * c, acc[r][c]);
-}
-#endif
 
 // Scores of rows act[a0 .. a0 + R) against the key vectors [v0, v1) of the block (v1 - v0 a multiple of V); the
 // panel in W.kT starts at key vector p0 and has row stride ld.
@@ -438,20 +406,20 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   constexpr int CW = R >= 4 ? 2 : 4;  // 16-column registers per tile: R * CW <= 16 accumulators of 32
   for (; c + 2 * CW <= C; c += 2 * CW) {
     shifted(c, oc);
-    PVTile16<R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
   }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
-    PVTile16<R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
   }
 #endif
   for (; c + CC <= C; c += CC) {
     shifted(c, oc);
-    PVTile<R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
   }
   for (; c < C; ++c) {
     shifted(c, oc);
-    PVTile<R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
   }
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {

@@ -18,47 +18,26 @@
 #include <cstring>
 
 #include "pool.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define KVJAX_MM_AVX2 1
-#else
-#define KVJAX_MM_AVX2 0
-#endif
-
 namespace ffi = xla::ffi;
+using kvjax_native::Widen;
+#if KVJAX_AVX2
+using kvjax_native::Load8;
+#endif
+#if KVJAX_AVX512
+using kvjax_native::Load16;
+#endif
 
 namespace {
 
 constexpr int64_t kMaxPanel = 512;  // columns per thread unit at most: M rows' partial sums stay in L1 (M <= 8)
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (in weight bytes of the panel's rows) to prefetch
 
-inline float Bf16ToF32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-#if KVJAX_MM_AVX2 && defined(__AVX512F__)
-#define KVJAX_MM_AVX512 1
-// 16 columns per instruction where the CPU has AVX-512: the same per-column FMA chain (vectorised across columns,
-// never across k), so results equal the AVX2 and scalar builds bit for bit with half the instructions per weight.
-inline __m512 LoadBf16x16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#else
-#define KVJAX_MM_AVX512 0
-#endif
-
-#if KVJAX_MM_AVX2
-inline __m256 LoadBf16(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#endif
+// Where the CPU has AVX-512, 16 columns per instruction first: the same per-column FMA chain (vectorised across
+// columns, never across k), so results equal the AVX2 and scalar builds bit for bit with half the instructions per
+// weight. The widening loads (exact bf16 -> f32) are simd.h's, shared with the attention kernel.
 
 // y[m0:m1, n0:n1] for a column range of at most kMaxPanel columns: k outer, so the weights stream in memory order
 // (each of the K rows a contiguous run of the panel's columns; a run per page instead of a page per weight row for a
@@ -70,12 +49,12 @@ void Panel(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, in
     for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + n0, y + m * N + n1, 0.0f);
     return;
   }
-#if KVJAX_MM_AVX512
+#if KVJAX_AVX512
   const int64_t nw = width / 16 * 16;
 #else
   const int64_t nw = 0;
 #endif
-#if KVJAX_MM_AVX2
+#if KVJAX_AVX2
   const int64_t nv = width / 8 * 8;
 #else
   const int64_t nv = 0;
@@ -89,28 +68,28 @@ void Panel(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, in
     for (int64_t m = 0; m < M; ++m) {
       float* ym = y + m * N + n0;
       const float xk = x[m * K + k];
-#if KVJAX_MM_AVX512
+#if KVJAX_AVX512
       const __m512 xw = _mm512_set1_ps(xk);
       if (k == 0) {
-        for (int64_t c = 0; c < nw; c += 16) _mm512_storeu_ps(ym + c, _mm512_mul_ps(xw, LoadBf16x16(row + c)));
+        for (int64_t c = 0; c < nw; c += 16) _mm512_storeu_ps(ym + c, _mm512_mul_ps(xw, Load16(row + c)));
       } else {
         for (int64_t c = 0; c < nw; c += 16)
-          _mm512_storeu_ps(ym + c, _mm512_fmadd_ps(xw, LoadBf16x16(row + c), _mm512_loadu_ps(ym + c)));
+          _mm512_storeu_ps(ym + c, _mm512_fmadd_ps(xw, Load16(row + c), _mm512_loadu_ps(ym + c)));
       }
 #endif
-#if KVJAX_MM_AVX2
+#if KVJAX_AVX2
       const __m256 xb = _mm256_set1_ps(xk);
       if (k == 0) {
-        for (int64_t c = nw; c < nv; c += 8) _mm256_storeu_ps(ym + c, _mm256_mul_ps(xb, LoadBf16(row + c)));
+        for (int64_t c = nw; c < nv; c += 8) _mm256_storeu_ps(ym + c, _mm256_mul_ps(xb, Load8(row + c)));
       } else {
         for (int64_t c = nw; c < nv; c += 8)
-          _mm256_storeu_ps(ym + c, _mm256_fmadd_ps(xb, LoadBf16(row + c), _mm256_loadu_ps(ym + c)));
+          _mm256_storeu_ps(ym + c, _mm256_fmadd_ps(xb, Load8(row + c), _mm256_loadu_ps(ym + c)));
       }
 #endif
       if (k == 0) {
-        for (int64_t c = nv; c < width; ++c) ym[c] = xk * Bf16ToF32(row[c]);
+        for (int64_t c = nv; c < width; ++c) ym[c] = xk * Widen(row[c]);
       } else {
-        for (int64_t c = nv; c < width; ++c) ym[c] = std::fma(xk, Bf16ToF32(row[c]), ym[c]);
+        for (int64_t c = nv; c < width; ++c) ym[c] = std::fma(xk, Widen(row[c]), ym[c]);
       }
     }
   }

@@ -1,5 +1,5 @@
 // Vector helpers shared by the native kernels of this library: the f32 exponential (an AVX2 form and a scalar form
-// with the same roundings) and the fixed-order reductions of 8 lane partials.
+// with the same roundings), the exact bf16 -> f32 widening loads and the fixed-order reductions of 8 lane partials.
 
 #ifndef KVJAX_NATIVE_SIMD_H_
 #define KVJAX_NATIVE_SIMD_H_
@@ -64,6 +64,36 @@ inline __m256 Exp8(__m256 x) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), in_range);
 }
+#endif
+
+// ------------------------------------------------------------------------------------------------ widening loads
+// bf16 -> f32, exactly: a bf16 is the high 16 bits of the f32 of the same value. Elements are float (f32 data,
+// unchanged) or uint16_t (bf16 bits); the vector forms load 8 (AVX2) or 16 (AVX-512) consecutive elements.
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+#if KVJAX_AVX2
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if KVJAX_AVX2 && defined(__AVX512F__)
+#define KVJAX_AVX512 1
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+#define KVJAX_AVX512 0
 #endif
 
 // Sum of 8 lane partials in a fixed tree order (both builds).
