@@ -239,7 +239,7 @@ def _full_chunks(model: Model, ids: np.ndarray, max_new_tokens: int, sampling: S
     timing.update(decode_s=0.0, timed_s=0.0, timed_tokens=0, compile_rounds=0, timed_rounds=0)
 
     def chunk(c):
-        return steps.decode(model.params, model.config, c, tok, seed_a, num_steps=STREAM_CHUNK, temperature=sampling,
+        return steps.decode(model.loop_params(), model.config, c, tok, seed_a, num_steps=STREAM_CHUNK, temperature=sampling,
                             return_logprobs=logprobs, family=model.family, impl=model.attention)
 
     if warmup and max_new_tokens > 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from kvjax.arrays import jnp_dtype
 
 
@@ -30,6 +32,27 @@ class Model:
     path: str | None = None
     dtype: str = "f32"
     attention: str = "xla"
+    # (ids of the params' leaves, the leaves, the loop layout) of the last `loop_params()` call
+    _loop: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def loop_params(self):
+        """`params` in the layout the family's one-token loops read (`Family.loop_params`; Llama fuses q/k/v and
+        gate/up into two matrices), made once and kept while `params` holds the same arrays: a replaced weight, even
+        deep inside the tree, makes it again. Pass it wherever `params` goes to a decode loop (`steps.decode`): a loop
+        given the plain layout rebuilds the fused one on every call (SmolLM2-135M: 280 MB of concatenation, ~5 ms per
+        token of a 32-token call). Costs the fused matrices' memory while kept. Without a loop layout: `params`."""
+        if self.family.loop_params is None:
+            return self.params
+        leaves = jax.tree_util.tree_leaves(self.params)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # inside a trace: nothing to keep
+            return self.family.loop_params(self.params)
+        key = tuple(map(id, leaves))  # the leaves are held below, so no id is reused while the entry lives
+        hit = self._loop.get("entry")
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        fused = jax.jit(self.family.loop_params)(self.params)
+        self._loop["entry"] = (key, leaves, fused)
+        return fused
 
     @property
     def cache_dtype(self):

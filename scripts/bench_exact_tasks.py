@@ -69,7 +69,7 @@ def reference(model, full, first, M, x):
 
 
 def plain_full(model, full, first, M):
-    rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
+    rest, _ = steps.decode(model.loop_params(), model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
                            family=model.family, impl=model.attention)
     return jnp.concatenate([first, rest[0]])
 

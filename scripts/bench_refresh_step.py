@@ -141,7 +141,7 @@ def bench_model(model, prompt, reps: int, log) -> tuple[list, dict]:
 
     def decode_once():
         fresh = copy(full)
-        return timed(lambda: steps.decode(params, config, fresh, first, seed, num_steps=DECODE_STEPS, family=family,
+        return timed(lambda: steps.decode(model.loop_params(), config, fresh, first, seed, num_steps=DECODE_STEPS, family=family,
                                           impl=impl)[0]) / DECODE_STEPS
 
     contenders = {f"refresh {i}": (lambda i=i: refresh_once(i)) for i in IMPLS}

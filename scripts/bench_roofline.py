@@ -88,13 +88,14 @@ def bench_kvjax(model, prompt, compressors, floor, rows):
     L = prompt.size
     params, config, family, impl = model.params, model.config, model.family, model.attention
     wbytes = tree_nbytes(params)
+    loop = model.loop_params()  # the one-token loops' layout, made once (as the engine's callers pass it)
     cap = capacity_for(L, DECODE_STEPS * 8, X_MAX)
     # warm-up: compile the prefill chunk and the decode loop at this capacity on a short prompt
     warm = family.init_cache(config, 1, cap, model.cache_dtype)
     _, warm = steps.prefill(model, warm, prompt[:steps.DEFAULT_CHUNK + 1])
     seed = jnp.zeros((1,), jnp.int32)
     first = jnp.zeros((1,), jnp.int32)
-    jax.block_until_ready(steps.decode(params, config, warm, first, seed, num_steps=DECODE_STEPS, family=family,
+    jax.block_until_ready(steps.decode(loop, config, warm, first, seed, num_steps=DECODE_STEPS, family=family,
                                        impl=impl))
     del warm
 
@@ -113,7 +114,7 @@ def bench_kvjax(model, prompt, compressors, floor, rows):
     first = jnp.argmax(logits)[None].astype(jnp.int32)
     kv_bytes = family.read_bytes(full, L)
 
-    decode_s = best_of(lambda: steps.decode(params, config, copy(full), first, seed, num_steps=DECODE_STEPS,
+    decode_s = best_of(lambda: steps.decode(loop, config, copy(full), first, seed, num_steps=DECODE_STEPS,
                                             family=family, impl=impl)[0], 3) / DECODE_STEPS
     # the copy inside the lambda is timed too: measure it alone and take it out
     copy_s = best_of(lambda: copy(full), 3) / DECODE_STEPS
@@ -128,12 +129,12 @@ def bench_kvjax(model, prompt, compressors, floor, rows):
         dc = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
         comp_s = time.perf_counter() - t
         dc_bytes = dc.nbytes()
-        drafts, _, dc = draft_mod.draft_step(params, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+        drafts, _, dc = draft_mod.draft_step(loop, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
         jax.block_until_ready(drafts)
 
         def one():
             nonlocal dc
-            d, _, dc = draft_mod.draft_step(params, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+            d, _, dc = draft_mod.draft_step(loop, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
             return d
 
         draft_s = best_of(one, 3) / X_MAX

@@ -64,7 +64,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
 
     def decode_ms(impl):
         def run():
-            return steps.decode(model.params, cfg, copy(), first, seed, num_steps=32, family=fam, impl=impl)[0]
+            return steps.decode(model.loop_params(), cfg, copy(), first, seed, num_steps=32, family=fam, impl=impl)[0]
         return best_ms(run, 2) / 32
 
     res = {}

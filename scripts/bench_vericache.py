@@ -65,7 +65,7 @@ def lossy_decode(model, dc, first, M):
 
 def plain_full(model, full, first, M):
     t = time.perf_counter()
-    rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
+    rest, _ = steps.decode(model.loop_params(), model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
                            family=model.family, impl=model.attention)
     rest = np.asarray(rest[0])
     return np.concatenate([np.asarray(first), rest]), time.perf_counter() - t

@@ -333,7 +333,7 @@ def _compare_full(args, model, ids, g) -> dict:
         seed = jnp.zeros((1,), jnp.int32)
 
         def run(c):
-            return steps.decode(model.params, model.config, c, first, seed, num_steps=len(g), family=model.family,
+            return steps.decode(model.loop_params(), model.config, c, first, seed, num_steps=len(g), family=model.family,
                                 impl=model.attention)[0]
 
         jax.block_until_ready(run(jax.tree.map(jnp.copy, cache)))

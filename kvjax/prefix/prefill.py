@@ -133,7 +133,7 @@ def generate_with_prefix_cache(model, prompt_ids, max_new_tokens: int, prefix_ca
     first = jnp.argmax(last).astype(jnp.int32)[None]
     toks = [int(first[0])]
     if max_new_tokens > 1:
-        rest, cache = steps.decode(model.params, model.config, cache, first, jnp.zeros((1,), jnp.int32),
+        rest, cache = steps.decode(model.loop_params(), model.config, cache, first, jnp.zeros((1,), jnp.int32),
                                    num_steps=max_new_tokens - 1, family=model.family, impl=model.attention)
         toks += [int(t) for t in np.asarray(rest[0])]
     out = np.asarray(toks, np.int32)

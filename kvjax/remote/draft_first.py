@@ -117,7 +117,7 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
     if M == 1:
         return np.asarray(out, np.int32), {}
     if decoder == "plain":
-        rest, _ = steps.decode(model.params, model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
+        rest, _ = steps.decode(model.loop_params(), model.config, full, first, jnp.zeros((1,), jnp.int32), num_steps=M - 1,
                                family=model.family, impl=model.attention)
         return np.asarray(out + [int(t) for t in np.asarray(rest[0])], np.int32), {}
     if decoder == "reference":

@@ -35,7 +35,7 @@ import numpy as np
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc")  # compiled into one library
-HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h")  # shared by the sources; part of the build key too
+HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
@@ -144,6 +144,17 @@ def set_spin_us(us: int) -> None:
     if int(us) < 0:
         raise ValueError(f"spin window must be >= 0 microseconds, got {us}")
     _handles[-1].kvjax_native_set_spin_us(ctypes.c_longlong(int(us)))
+
+
+def set_pool(choice: str) -> None:
+    """Which threads the kernels run on from now on: "xla" (XLA's intra-op pool where the runtime lends it to the
+    call, the default) or "own" (the library's pool, as `KVJAX_NATIVE_POOL=own`): for benchmarks that compare the two in
+    one process. Raises where the library is not loaded."""
+    if not available():
+        raise RuntimeError(f"the native library is not available: {status()['reason']}")
+    if choice not in ("xla", "own"):
+        raise ValueError(f"pool must be 'xla' or 'own', got {choice!r}")
+    _handles[-1].kvjax_native_set_pool(ctypes.c_int(0 if choice == "xla" else 1))
 
 
 def available() -> bool:

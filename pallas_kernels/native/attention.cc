@@ -61,6 +61,7 @@
 #include "pool.h"
 #include "shapes.h"
 #include "simd.h"
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -684,7 +685,7 @@ void MergeSegments(const Problem& P, int64_t nseg, const float* po, const float*
   }
 }
 
-ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
                       ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale,
                       int64_t block) {
@@ -726,7 +727,7 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer 
     std::fill(P.l, P.l + P.B * P.T * P.N, 0.0f);
     return ffi::Error::Success();
   }
-  Pool& pool = Pool::get();
+  Workers pool(xla_pool);
   const int64_t tiles = P.B * P.K, rows = P.T * P.G, threads = pool.threads();
   // Whole tiles when they divide among the threads (each thread streams its own keys), or when a tile has few rows
   // (memory-bound: every unit of a tile reads and transposes all its keys, so splitting its rows would read them
@@ -766,6 +767,7 @@ ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()  // k: f32 or bf16
                                   .Arg<ffi::AnyBuffer>()  // v: k's dtype
@@ -781,3 +783,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
 extern "C" int kvjax_native_vector_width() { return KVJAX_AVX2 ? 8 : 1; }
 // The thread pool's spin window (microseconds), for measuring its effect within one process (benchmarks).
 extern "C" void kvjax_native_set_spin_us(long long us) { kvjax_native::Pool::get().set_spin_us(us); }
+// Which threads the kernels run on (workers.h): 0 XLA's intra-op pool where lent, 1 the library's own pool.
+extern "C" void kvjax_native_set_pool(int choice) { kvjax_native::PoolChoice().store(choice); }

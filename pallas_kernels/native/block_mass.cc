@@ -36,6 +36,7 @@
 #include "pool.h"
 #include "shapes.h"
 #include "simd.h"
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -346,7 +347,7 @@ void Finish(const MassProblem& P, int64_t tile) {
   }
 }
 
-ffi::Error BlockMassImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::S32> q_pos,
+ffi::Error BlockMassImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::S32> q_pos,
                          ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> mass, int64_t block, float scale) {
   QKShape sh;
   if (ffi::Error e = ReadQKShape(q.dimensions(), k.dimensions(), k_pos.dimensions(), q_pos.element_count(),
@@ -387,7 +388,7 @@ ffi::Error BlockMassImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::
   if (work.size() < need) work.resize(need);
   P.bsum = work.data();
   P.cmax = work.data() + tiles * P.rows * P.nb;
-  Pool& pool = Pool::get();
+  Workers pool(xla_pool);
   const int64_t unit_chunks = std::max<int64_t>(1, kUnitKeys / P.ck), per_tile = (P.nc + unit_chunks - 1) / unit_chunks;
   pool.Run(tiles * per_tile, [&](int64_t u) {
     const int64_t tile = u / per_tile, c0 = (u % per_tile) * unit_chunks;
@@ -401,6 +402,7 @@ ffi::Error BlockMassImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxBlockMass, BlockMassImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -19,6 +19,7 @@
 
 #include "pool.h"
 #include "simd.h"
+#include "workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -95,7 +96,7 @@ void Panel(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, in
   }
 }
 
-ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2 [K, N]");
   if (xd.size() < 1) return ffi::Error::InvalidArgument("x must have rank >= 1");
@@ -109,7 +110,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::Re
   if (M == 0 || N == 0) return ffi::Error::Success();
   // Units of whole 32-column runs (a 64-byte line of bf16 weights per row), balanced: at least two per thread where
   // N allows (a loaded machine's late thread then costs less), at most kMaxPanel columns each.
-  auto& pool = kvjax_native::Pool::get();
+  kvjax_native::Workers pool(xla_pool);
   const int64_t runs = (N + 31) / 32;
   const int64_t units = std::min(runs, std::max<int64_t>(2 * pool.threads(), (N + kMaxPanel - 1) / kMaxPanel));
   // Rows in groups of 8 so a group's partial sums stay in L1 whatever M is.
@@ -126,6 +127,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::Re
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulBf16, MatmulImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -65,16 +65,27 @@ class Pool {
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
     Drain(*job);
-    // Every unit is claimed; wait for the ones a worker is still running (spinning: they are short).
-    for (int64_t spins = 0; job->done.load(std::memory_order_acquire) != job->units; ++spins) {
-      if (spins < (1 << 16)) {
-        CpuRelax();
-      } else {
-        std::this_thread::yield();
-      }
-    }
+    Wait(*job);
     std::lock_guard<std::mutex> g(mu_);
     if (job_ == job) job_.reset();
+  }
+
+  // `units` calls of `fn` shared by the caller and up to `helpers` tasks handed to `schedule` (a callable taking a
+  // std::function<void()>: another runtime's pool, e.g. XLA's intra-op threads). As in `Run`, the caller takes units
+  // itself and waits only for units a helper has claimed; a helper that starts after the call returned finds every
+  // unit taken and never touches `fn`.
+  template <typename Schedule>
+  static void RunShared(int64_t units, int64_t helpers, const std::function<void(int64_t)>& fn, Schedule&& schedule) {
+    if (helpers <= 0 || units <= 1) {
+      for (int64_t u = 0; u < units; ++u) fn(u);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->units = units;
+    for (int64_t i = 0; i < std::min(helpers, units - 1); ++i) schedule(std::function<void()>([job] { Drain(*job); }));
+    Drain(*job);
+    Wait(*job);
   }
 
  private:
@@ -113,6 +124,17 @@ class Pool {
   Pool(int n, int64_t spin_us) : spin_ns_(spin_us * 1000) {
     for (int i = 1; i < n; ++i) workers_.emplace_back([this] { Loop(); });
     for (auto& w : workers_) w.detach();
+  }
+
+  // Every unit is claimed; wait for the ones a worker is still running (spinning: they are short).
+  static void Wait(const Job& job) {
+    for (int64_t spins = 0; job.done.load(std::memory_order_acquire) != job.units; ++spins) {
+      if (spins < (1 << 16)) {
+        CpuRelax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
   }
 
   static void Drain(Job& job) {
