@@ -56,13 +56,18 @@ def copy(tree):
 
 
 class Floor:
-    """Seconds one jitted `jnp.sum` takes over `nbytes` of f32 (best of 5), measured when asked, in this run."""
+    """Seconds one jitted `jnp.sum` takes over `nbytes` of f32 (best of 5), measured when asked, in this run. Above
+    `CAP` bytes (a prefill's total reads, tens of GB) it sums `CAP` bytes and scales linearly: far past every cache,
+    a reduction's time is proportional to its bytes, and an array of the full size would not fit in memory."""
+
+    CAP = 2 << 30
 
     def __init__(self):
         self._sum = jax.jit(jnp.sum)
 
     def __call__(self, nbytes: int) -> float:
-        a = jnp.ones((max(int(nbytes) // 4, 1),), jnp.float32)
+        n = min(int(nbytes), self.CAP)
+        a = jnp.ones((max(n // 4, 1),), jnp.float32)
         self._sum(a).block_until_ready()
         best = float("inf")
         for _ in range(5):
@@ -70,7 +75,7 @@ class Floor:
             self._sum(a).block_until_ready()
             best = min(best, time.perf_counter() - t)
         del a
-        return best
+        return best * max(int(nbytes), 1) / max(n, 1)
 
 
 def record(rows, floor, context, step, seconds, nbytes, per="step", **extra):

@@ -264,12 +264,87 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
   }
 }
 
+#if KVJAX_AVX512
+// ScoreTile on 16 keys per register (V vectors of 16 keys): each lane the same chain over d as the 8-key tile, the
+// mask a lane mask, the tile's maxima folded into the row's 8 lane maxima (a max is exact in any order).
+template <int R, int V>
+inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int64_t D, __m512 sc,
+                        const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
+                        float* rmax, int32_t* vis) {
+  __m512 acc[R][V];
+  {
+    __m512 kv[V];
+    KVJAX_UNROLL
+    for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(kt + 16 * v);
+    KVJAX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r][0]);
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_mul_ps(b, kv[v]);
+    }
+  }
+  for (int64_t d = 1; d < D; ++d) {
+    const float* kd = kt + d * ld;
+    __m512 kv[V];
+    KVJAX_UNROLL
+    for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(kd + 16 * v);
+    KVJAX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r][d]);
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, kv[v], acc[r][v]);
+    }
+  }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  KVJAX_UNROLL
+  for (int r = 0; r < R; ++r) {
+    __m512 mx = ninf;
+    if (full[r]) {  // every key of the block visible to this row: masking would change nothing
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) {
+        const __m512 sv = _mm512_mul_ps(acc[r][v], sc);
+        _mm512_storeu_ps(s[r] + 16 * v, sv);
+        mx = _mm512_max_ps(mx, sv);
+      }
+      vis[r] = 1;
+    } else {
+      const __m512i vlo = _mm512_set1_epi32(lo[r] - 1), vhi = _mm512_set1_epi32(hi[r] + 1);
+      int bits = 0;
+      KVJAX_UNROLL
+      for (int v = 0; v < V; ++v) {
+        const __m512i p = _mm512_loadu_si512(kp + 16 * v);
+        const __mmask16 ok = _mm512_cmpgt_epi32_mask(p, vlo) & _mm512_cmpgt_epi32_mask(vhi, p);
+        const __m512 sv = _mm512_mask_mul_ps(ninf, ok, acc[r][v], sc);
+        bits |= ok;
+        _mm512_storeu_ps(s[r] + 16 * v, sv);
+        mx = _mm512_max_ps(mx, sv);
+      }
+      vis[r] |= bits;
+    }
+    const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(mx), _mm512_extractf32x8_ps(mx, 1));
+    _mm256_storeu_ps(rmax + 8 * r, _mm256_max_ps(_mm256_loadu_ps(rmax + 8 * r), m8));
+  }
+}
+#endif
+
 // p = exp(s - m) over npad scores in place (masked scores, -inf, give exactly 0); returns their sum, 8 lane
 // partials in slot order then the fixed tree.
 inline float ExpSum(float* s, int64_t npad, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < npad; j += 8) {
+  int64_t j = 0;
+#if KVJAX_AVX512
+  // 16 exponentials per instruction, each lane Exp8's arithmetic; the two halves are added to the 8 lane partials in
+  // slot order (slots j..j+7, then j+8..j+15), as the 8-wide loop adds them
+  const __m512 vm16 = _mm512_set1_ps(m);
+  for (; j + 16 <= npad; j += 16) {
+    const __m512 p = Exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm16));
+    _mm512_storeu_ps(s + j, p);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
+    acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(p, 1));
+  }
+#endif
+  for (; j < npad; j += 8) {
     const __m256 sv = _mm256_loadu_ps(s + j);
     const __m256 p = Exp8(_mm256_sub_ps(sv, vm));  // masked (-inf) scores: exactly 0
     _mm256_storeu_ps(s + j, p);
@@ -374,13 +449,50 @@ __attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const
 template <int R>
 constexpr int kScoreV = R >= 4 ? 2 : 4;
 
+#if KVJAX_AVX512
+// ScoreRows on 16-key registers: key vectors [v0, v1) of 8 keys, v1 - v0 a multiple of 2 * V.
+template <int R, int V>
+__attribute__((noinline)) void ScoreRows16(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0,
+                                           int64_t v0, int64_t v1, Scratch& W, int64_t p0, int64_t ld) {
+  const float* q[R];
+  int32_t lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = act[a0 + r];
+    q[r] = R_.q[row];
+    lo[r] = R_.lo[row];
+    hi[r] = R_.hi[row];
+  }
+  const __m512 sc = _mm512_set1_ps(P.scale);
+  for (int64_t v = v0; v < v1; v += 2 * V) {
+    float* s[R];
+    for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
+    ScoreTile16<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
+                      W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0);
+  }
+}
+
+// 16-key vectors per tile: R * V <= 12 accumulators of 32 registers (2 divides a panel's 16-key vectors).
+template <int R>
+constexpr int kScoreV16 = R >= 4 ? 1 : 2;
+#endif
+
 template <int R>
 inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
                        Scratch& W, int64_t ld, __m256 sc) {
+  const int64_t p0 = v0;  // the panel's first key vector (kT's column 0)
+#if KVJAX_AVX512
+  {
+    constexpr int V16 = kScoreV16<R>;
+    const int64_t v16 = v0 + (v1 - v0) / (2 * V16) * (2 * V16);
+    ScoreRows16<R, V16>(P, R_, act, a0, v0, v16, W, p0, ld);
+    v0 = v16;  // the rest (a ragged last block) as 8-key vectors below
+    if (v0 == v1) return;
+  }
+#endif
   constexpr int V = kScoreV<R>;
   const int64_t vfull = v0 + (v1 - v0) / V * V;
-  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, v0, ld, sc);
-  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, v0, ld, sc);  // a ragged last block
+  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, p0, ld, sc);
+  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, p0, ld, sc);  // a ragged last block
 }
 
 // p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.

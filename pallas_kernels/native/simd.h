@@ -92,6 +92,22 @@ inline __m512 Load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// Exp8's sequence of roundings on 16 lanes (each lane the same operations, so the same bits as Exp8 and ExpScalar).
+inline __m512 Exp16(__m512 x) {
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLo), _CMP_GE_OQ);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP5));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(in_range, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
 #else
 #define KVJAX_AVX512 0
 #endif
