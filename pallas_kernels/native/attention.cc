@@ -473,7 +473,7 @@ __attribute__((noinline)) void ScoreRows16(const Problem& P, const Rows& R_, con
 
 // 16-key vectors per tile: R * V <= 12 accumulators of 32 registers (2 divides a panel's 16-key vectors).
 template <int R>
-constexpr int kScoreV16 = R >= 4 ? 1 : 2;
+constexpr int kScoreV16 = 2;
 #endif
 
 template <int R>
