@@ -39,6 +39,7 @@ HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.
 TARGET = "kvjax_attend"
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
+MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`native.matmul.matmul_f32`)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -119,6 +120,7 @@ def _build() -> dict:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
             jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_F32_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulF32), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue

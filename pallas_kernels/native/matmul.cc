@@ -1,21 +1,26 @@
-// A product with bf16 weights on the CPU, as an XLA FFI custom call: y = x @ w for a few rows x.
+// Products for a few rows on the CPU, as XLA FFI custom calls: y = x @ w with bf16 weights (a draft's) or f32 weights
+// (a verify block's).
 //
-// Inputs  x f32[M, K] (any leading shape, flattened to M rows), w bf16[K, N] (row-major)
+// Inputs  x f32[M, K] (any leading shape, flattened to M rows), w bf16[K, N] or f32[K, N] (row-major)
 // Output  y f32[M, N]
 //
-// Why: a draft token reads every weight once; stored in bf16 they are half the bytes of f32, but XLA:CPU multiplies a
-// bf16 matrix by converting it to an f32 copy first (reading 2 bytes, writing and re-reading 4 per weight). Here each
-// weight is read once as bf16 and widened in registers (bf16 -> f32 is exact: a 16-bit shift).
+// Why bf16: a draft token reads every weight once; stored in bf16 they are half the bytes of f32, but XLA:CPU
+// multiplies a bf16 matrix by converting it to an f32 copy first (reading 2 bytes, writing and re-reading 4 per
+// weight). Here each weight is read once as bf16 and widened in registers (bf16 -> f32 is exact: a 16-bit shift).
+// Why f32: a verify block's 9-33 rows are too few for XLA:CPU's GEMM, which ran SmolLM2's products at 2.6x (9 rows)
+// and 4.9x (33 rows) the time of a reduction over the weights' bytes (one row: 1.0x).
 //
-// Tiling: threads take column panels (64-512 columns) of a group of up to 8 rows; within a panel the weights stream
-// row by row in memory order while the rows' partial sums stay in L1. Each y[m, n] is one FMA chain over k in order
-// (its first term a plain product), so a row's result does not depend on the other rows in the call, the panel width or
-// the thread that ran it; the scalar build (no AVX2/FMA) does the same roundings with std::fma.
+// Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
+// L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a
+// time, each partial sum loaded once per four of its FMAs. Each y[m, n] is one FMA chain over k in order (its first
+// term a plain product), so a row's result does not depend on the other rows in the call, the panel width or the
+// thread that ran it; the scalar build (no AVX2/FMA) does the same roundings with std::fma.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "pool.h"
 #include "simd.h"
@@ -33,70 +38,107 @@ using kvjax_native::Load16;
 
 namespace {
 
-constexpr int64_t kMaxPanel = 512;  // columns per thread unit at most: M rows' partial sums stay in L1 (M <= 8)
+constexpr int64_t kGroupRows = 64;  // rows whose partial sums share a panel
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (in weight bytes of the panel's rows) to prefetch
 
-// Where the CPU has AVX-512, 16 columns per instruction first: the same per-column FMA chain (vectorised across
-// columns, never across k), so results equal the AVX2 and scalar builds bit for bit with half the instructions per
-// weight. The widening loads (exact bf16 -> f32) are simd.h's, shared with the attention kernel.
-
-// y[m0:m1, n0:n1] for a column range of at most kMaxPanel columns: k outer, so the weights stream in memory order
-// (each of the K rows a contiguous run of the panel's columns; a run per page instead of a page per weight row for a
-// narrow column tile) while the rows' partial sums stay in L1. Each y[m, n] is one FMA chain over k in order, its
-// first term a plain product.
-void Panel(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t width = n1 - n0;
-  if (K == 0) {
-    for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + n0, y + m * N + n1, 0.0f);
-    return;
-  }
-#if KVJAX_AVX512
-  const int64_t nw = width / 16 * 16;
-#else
-  const int64_t nw = 0;
-#endif
-#if KVJAX_AVX2
-  const int64_t nv = width / 8 * 8;
-#else
-  const int64_t nv = 0;
-#endif
-  // rows ahead: a short run per row (a narrow panel) needs more rows in flight to cover the memory latency
-  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytes / (2 * width), 2, 64);
-  for (int64_t k = 0; k < K; ++k) {
-    const uint16_t* row = w + k * N + n0;
-    if (k + ahead < K)
-      for (int64_t c = 0; c < width; c += 32) __builtin_prefetch(row + ahead * N + c);
-    for (int64_t m = 0; m < M; ++m) {
-      float* ym = y + m * N + n0;
-      const float xk = x[m * K + k];
-#if KVJAX_AVX512
-      const __m512 xw = _mm512_set1_ps(xk);
-      if (k == 0) {
-        for (int64_t c = 0; c < nw; c += 16) _mm512_storeu_ps(ym + c, _mm512_mul_ps(xw, Load16(row + c)));
-      } else {
-        for (int64_t c = 0; c < nw; c += 16)
-          _mm512_storeu_ps(ym + c, _mm512_fmadd_ps(xw, Load16(row + c), _mm512_loadu_ps(ym + c)));
-      }
-#endif
-#if KVJAX_AVX2
-      const __m256 xb = _mm256_set1_ps(xk);
-      if (k == 0) {
-        for (int64_t c = nw; c < nv; c += 8) _mm256_storeu_ps(ym + c, _mm256_mul_ps(xb, Load8(row + c)));
-      } else {
-        for (int64_t c = nw; c < nv; c += 8)
-          _mm256_storeu_ps(ym + c, _mm256_fmadd_ps(xb, Load8(row + c), _mm256_loadu_ps(ym + c)));
-      }
-#endif
-      if (k == 0) {
-        for (int64_t c = nv; c < width; ++c) ym[c] = xk * Widen(row[c]);
-      } else {
-        for (int64_t c = nv; c < width; ++c) ym[c] = std::fma(xk, Widen(row[c]), ym[c]);
-      }
-    }
-  }
+// Columns per unit for a group of `rows` rows: their partial sums within ~24 KiB of L1 (and four weight rows of the
+// panel beside them), whole runs of 32 columns.
+inline int64_t PanelColumns(int64_t rows) {
+  return std::clamp<int64_t>(6144 / std::max<int64_t>(rows, 1) / 32 * 32, 32, 4096);
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+// y[m, c] (= or +=) x[m][k + i] * w[k + i][c] for i < KK in order, for the M rows (x rows at stride K, y rows at
+// stride ldy, both at the panel's first column) over the panel's `width` columns; the first product when `first`, then
+// one FMA each -- the same chain at every width. Columns outer, rows inner: each weight vector is loaded once per step
+// and kept in a register for every row (with rows outer, the KK weight rows -- N floats apart, a multiple of 4 KiB for
+// SmolLM2 -- fell into the same L1 sets and were evicted between rows: 9 rows ran at 0.3 FMA per cycle).
+template <int KK, typename T>
+inline void Steps(const float* x, int64_t K, const T* const* rows, float* y, int64_t ldy, int64_t M, int64_t width,
+                  bool first) {
+  int64_t c = 0;
+#if KVJAX_AVX512
+  for (; c + 16 <= width; c += 16) {
+    __m512 wv[KK];
+    for (int i = 0; i < KK; ++i) wv[i] = Load16(rows[i] + c);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float* ym = y + m * ldy + c;
+      __m512 acc = first ? _mm512_mul_ps(_mm512_set1_ps(xm[0]), wv[0])
+                         : _mm512_fmadd_ps(_mm512_set1_ps(xm[0]), wv[0], _mm512_loadu_ps(ym));
+      for (int i = 1; i < KK; ++i) acc = _mm512_fmadd_ps(_mm512_set1_ps(xm[i]), wv[i], acc);
+      _mm512_storeu_ps(ym, acc);
+    }
+  }
+#endif
+#if KVJAX_AVX2
+  for (; c + 8 <= width; c += 8) {
+    __m256 wv[KK];
+    for (int i = 0; i < KK; ++i) wv[i] = Load8(rows[i] + c);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float* ym = y + m * ldy + c;
+      __m256 acc = first ? _mm256_mul_ps(_mm256_set1_ps(xm[0]), wv[0])
+                         : _mm256_fmadd_ps(_mm256_set1_ps(xm[0]), wv[0], _mm256_loadu_ps(ym));
+      for (int i = 1; i < KK; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(xm[i]), wv[i], acc);
+      _mm256_storeu_ps(ym, acc);
+    }
+  }
+#endif
+  for (; c < width; ++c)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float* ym = y + m * ldy + c;
+      float acc = first ? xm[0] * Widen(rows[0][c]) : std::fma(xm[0], Widen(rows[0][c]), *ym);
+      for (int i = 1; i < KK; ++i) acc = std::fma(xm[i], Widen(rows[i][c]), acc);
+      *ym = acc;
+    }
+}
+
+// y[m0:m1, n0:n1] for one panel: k outer (the weights stream in memory order, a run of the panel's columns per weight
+// row), four weight rows per step while the rows' partial sums stay in L1. Each y[m, n] is one FMA chain over k in
+// order, its first term a plain product.
+// The partial sums live in a scratch of row stride `width + 16` floats, copied to y at the end: in y itself (row stride
+// N floats, for SmolLM2 12 KiB, a multiple of 4 KiB like the weight rows' stride) each store aliased the next loads'
+// addresses modulo 4 KiB and the core waited on false store-to-load dependencies: 9 rows x [576, 3072] f32 ran at 0.3
+// FMA per cycle.
+template <typename T>
+void Panel(const float* x, const T* w, float* yout, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t width = n1 - n0;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(yout + m * N + n0, yout + m * N + n1, 0.0f);
+    return;
+  }
+  thread_local std::vector<float> scratch;
+  const int64_t ld = width + 16;
+  if (static_cast<int64_t>(scratch.size()) < M * ld) scratch.resize(M * ld);
+  float* y = scratch.data() - n0;  // y + m * ld + n0: row m's partial sums
+  const int64_t ldy = ld;
+  // rows ahead: a short run per row (a narrow panel) needs more rows in flight to cover the memory latency
+  const int64_t ahead = std::clamp<int64_t>(kPrefetchBytes / (static_cast<int64_t>(sizeof(T)) * width), 4, 64);
+  auto prefetch = [&](int64_t k) {
+    if (k < K)
+      for (int64_t c = 0; c < width * static_cast<int64_t>(sizeof(T)); c += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(w + k * N + n0) + c);
+  };
+  {
+    const T* rows[1] = {w + n0};
+    Steps<1>(x, K, rows, y + n0, ldy, M, width, true);
+  }
+  int64_t k = 1;
+  for (; k + 4 <= K; k += 4) {
+    for (int64_t i = 0; i < 4; ++i) prefetch(k + ahead + i);
+    const T* rows[4] = {w + k * N + n0, w + (k + 1) * N + n0, w + (k + 2) * N + n0, w + (k + 3) * N + n0};
+    Steps<4>(x + k, K, rows, y + n0, ldy, M, width, false);
+  }
+  for (; k < K; ++k) {
+    const T* rows[1] = {w + k * N + n0};
+    Steps<1>(x + k, K, rows, y + n0, ldy, M, width, false);
+  }
+  for (int64_t m = 0; m < M; ++m) std::memcpy(yout + m * N + n0, y + m * ldy + n0, width * sizeof(float));
+}
+
+template <typename T>
+ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2 [K, N]");
   if (xd.size() < 1) return ffi::Error::InvalidArgument("x must have rank >= 1");
@@ -105,29 +147,45 @@ ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t M = K > 0 ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, N]");
   const float* xp = x.typed_data();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  // Units of whole 32-column runs (a 64-byte line of bf16 weights per row), balanced: at least two per thread where
-  // N allows (a loaded machine's late thread then costs less), at most kMaxPanel columns each.
+  // Units of whole 32-column runs, balanced: at least two per thread where N allows (a loaded machine's late thread
+  // then costs less), at most PanelColumns(rows of a group) columns each.
   kvjax_native::Workers pool(xla_pool);
   const int64_t runs = (N + 31) / 32;
-  const int64_t units = std::min(runs, std::max<int64_t>(2 * pool.threads(), (N + kMaxPanel - 1) / kMaxPanel));
-  // Rows in groups of 8 so a group's partial sums stay in L1 whatever M is.
-  const int64_t groups = (M + 7) / 8;
+  const int64_t panel = PanelColumns(std::min(M, kGroupRows));
+  const int64_t units = std::min(runs, std::max<int64_t>(2 * pool.threads(), (N + panel - 1) / panel));
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   pool.Run(units * groups, [&](int64_t u) {
-    const int64_t p = u % units, g = u / units, m0 = g * 8, mn = std::min<int64_t>(8, M - m0);
+    const int64_t p = u % units, g = u / units, m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
     const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
     if (n0 < n1) Panel(xp + m0 * K, wp, yp + m0 * N, mn, K, N, n0, n1);
   });
   return ffi::Error::Success();
 }
 
+ffi::Error MatmulBf16(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::BF16) return ffi::Error::InvalidArgument("w must be bf16");
+  return MatmulImpl<uint16_t>(xla_pool, x, w, y);
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument("w must be f32");
+  return MatmulImpl<float>(xla_pool, x, w, y);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulBf16, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulBf16, MatmulBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

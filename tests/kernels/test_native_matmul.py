@@ -70,8 +70,41 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
     handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_matmul_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulBf16),
                                 platform="cpu")
-    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543)]:
+    jax.ffi.register_ffi_target("kvjax_matmul_f32_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulF32),
+                                platform="cpu")
+    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300)]:
         x, w = _case(M, K, N, seed=N)
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w)) for t in (native.MATMUL_TARGET, "kvjax_matmul_scalar_test"))
         assert np.array_equal(a, b), (M, K, N)
+        w32 = w.astype(jnp.float32) * 1.25  # f32 weights: bits a bf16 never has
+        a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w32))
+                for t in (native.MATMUL_F32_TARGET, "kvjax_matmul_f32_scalar_test"))
+        assert np.array_equal(a, b), ("f32", M, K, N)
+
+
+@pytest.mark.parametrize("M", [1, 3, 9, 33])
+def test_matmul_f32_matches_the_f64_product_and_a_rows_bits_do_not_depend_on_the_others(M):
+    from pallas_kernels.native.matmul import matmul_f32
+
+    rng = np.random.default_rng(M)
+    K, N = 1536, 3072 + 40  # a ragged last column run
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.float32)
+    got = np.asarray(jax.jit(matmul_f32)(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    one = np.asarray(jax.jit(matmul_f32)(x[-1:], w))  # the last row alone: its own chain, the same bits
+    np.testing.assert_array_equal(one[0], got[-1])
+
+
+def test_matmul_f32_has_xlas_gradient():
+    from pallas_kernels.native.matmul import matmul_f32
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(matmul_f32(x, w))), argnums=(0, 1))(x, w)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw, rw, rtol=1e-4, atol=1e-4)
