@@ -7,8 +7,8 @@
 // Why bf16: a draft token reads every weight once; stored in bf16 they are half the bytes of f32, but XLA:CPU
 // multiplies a bf16 matrix by converting it to an f32 copy first (reading 2 bytes, writing and re-reading 4 per
 // weight). Here each weight is read once as bf16 and widened in registers (bf16 -> f32 is exact: a 16-bit shift).
-// Why f32: a verify block's 9-33 rows are too few for XLA:CPU's GEMM, which ran SmolLM2's products at 2.6x (9 rows)
-// and 4.9x (33 rows) the time of a reduction over the weights' bytes (one row: 1.0x).
+// f32 weights: the same kernel for A/Bs against XLA:CPU's dot at a verify block's few rows (SmolLM2's products alone:
+// 0.75x XLA's time at 9 rows; inside the verify step no gain, so the model keeps XLA's dot: `native/matmul.py`).
 //
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kvjax.models.layers import apply_rope, rms_norm, rope_cos_sin
+from kvjax.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
 from kvjax.models.llama.config import ModelConfig
 from pallas_kernels import linear
 
@@ -53,9 +53,9 @@ def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax
             qkv = qkv + layer["bqkv"]
         q, k, v = qkv[..., :N * D], qkv[..., N * D:(N + K) * D], qkv[..., (N + K) * D:]
     else:
-        q = linear(h, layer["wq"])
-        k = linear(h, layer["wk"])
-        v = linear(h, layer["wv"])
+        q = h @ layer["wq"]
+        k = h @ layer["wk"]
+        v = h @ layer["wv"]
         if config.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(B, T, N, D)
@@ -94,7 +94,7 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
             gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
             x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
         else:
-            x = x + linear(jax.nn.silu(linear(h, layer["w_gate"])) * linear(h, layer["w_up"]), layer["w_down"])
+            x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
         new_states.append(state)
         auxes.append(aux)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), tuple(new_states), tuple(auxes)
