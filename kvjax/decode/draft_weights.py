@@ -13,6 +13,7 @@ them (`family.loop_params`) and with the output head as its own [H, V] matrix; i
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import pallas_kernels
@@ -20,7 +21,7 @@ from kvjax.compress.base import DRAFT_WEIGHTS
 from kvjax.errors import InputError
 
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
-_cache: dict = {}  # id(params) -> (params, draft params): the params are held so the id cannot be reused
+_cache: dict = {}  # ids of the params' leaves -> (the leaves, draft params): the leaves are held so no id is reused
 
 
 def check_draft_weights(name: str, family_name: str | None = None) -> str:
@@ -39,13 +40,16 @@ def check_draft_weights(name: str, family_name: str | None = None) -> str:
 
 def draft_params(model, weights: str = "float32"):
     """The params drafting reads: `model.params` for "float32"; for "bfloat16" the fused bf16 copy (made on first
-    use, then kept while the model's params live); InputError (`check_draft_weights`) for any other name or where
-    this family or platform cannot draft with it."""
+    use, then kept while the model's params hold the same arrays: a weight replaced anywhere in the tree makes it
+    again); InputError (`check_draft_weights`) for any other name or where this family or platform cannot draft with
+    it."""
     if weights == "float32":
         return model.params
     check_draft_weights(weights, model.family.name)
-    hit = _cache.get(id(model.params))
-    if hit is not None and hit[0] is model.params:
+    leaves = jax.tree_util.tree_leaves(model.params)
+    key = (weights, *map(id, leaves))
+    hit = _cache.get(key)
+    if hit is not None:
         return hit[1]
     params = model.family.loop_params(model.params)
     dtype = jnp.dtype(weights)
@@ -55,5 +59,5 @@ def draft_params(model, weights: str = "float32"):
     out = dict(params, layers=layers, lm_head=jnp.asarray(head, dtype))
     if len(_cache) >= 4:  # a process rarely holds more than a model or two; never grow without bound
         _cache.pop(next(iter(_cache)))
-    _cache[id(model.params)] = (model.params, out)
+    _cache[key] = (leaves, out)
     return out

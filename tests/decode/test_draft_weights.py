@@ -43,6 +43,13 @@ def test_draft_params_are_a_fused_bf16_copy_made_once(hf_model_dir):
     assert all(layer[k].dtype == jnp.bfloat16 for k in ("wqkv", "wo", "w_gate_up", "w_down"))
     assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size) and d["lm_head"].dtype == jnp.bfloat16
     assert m.params["layers"][0]["wq"].dtype == jnp.float32  # the model's own weights are untouched
+    # a weight replaced inside the tree (the dict in place, as fine-tuning loops do): the kept copy is not reused
+    m.params["layers"][0]["wq"] = m.params["layers"][0]["wq"] * 2.0
+    again = draft_params(m, "bfloat16")
+    assert again is not d
+    n = m.params["layers"][0]["wq"].shape[1]
+    np.testing.assert_array_equal(np.asarray(again["layers"][0]["wqkv"][:, :n]),
+                                  np.asarray(m.params["layers"][0]["wq"].astype(jnp.bfloat16)))
 
 
 def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
