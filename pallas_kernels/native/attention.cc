@@ -365,35 +365,6 @@ inline float ExpSum(float* s, int64_t npad, float m) {
   return Reduce8(t);
 }
 
-// A register of f32 lanes for p.V: 8 (AVX2) or, where the CPU has AVX-512, 16 columns. Each (row, column) is the
-// same FMA chain over j at either width, so both give the scalar build's bits.
-struct Lanes8 {
-  using V = __m256;
-  static constexpr int kWidth = 8;
-  static V Set1(float x) { return _mm256_set1_ps(x); }
-  static V LoadF(const float* p) { return _mm256_loadu_ps(p); }
-  template <typename T>
-  static V Load(const T* p) { return Load8(p); }
-  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
-  static void Pin(V& x) { __asm__("" : "+x"(x)); }
-};
-#if KVJAX_AVX512
-struct Lanes16 {
-  using V = __m512;
-  static constexpr int kWidth = 16;
-  static V Set1(float x) { return _mm512_set1_ps(x); }
-  static V LoadF(const float* p) { return _mm512_loadu_ps(p); }
-  template <typename T>
-  static V Load(const T* p) { return Load16(p); }
-  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
-  static void Pin(V& x) { __asm__("" : "+v"(x)); }
-};
-#endif
-
 // o = alpha * o (when first) then o += p[j] * v[j] for j in [0, m) in slot order, for R rows and CC registers of
 // L::kWidth columns (o, vb offset to the first column). One FMA chain per (row, column) over j: neither the tile
 // shape nor the register width changes a row's arithmetic.

@@ -112,6 +112,38 @@ inline __m512 Exp16(__m512 x) {
 #define KVJAX_AVX512 0
 #endif
 
+#if KVJAX_AVX2
+// A register of f32 lanes: 8 (AVX2) or, where the CPU has AVX-512, 16. The kernels write one loop over `L` for both
+// widths (attention's p.V, the few-row products); each lane performs the same chain at either width, so both give the
+// scalar build's bits.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V Set1(float x) { return _mm256_set1_ps(x); }
+  static V LoadF(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V Load(const T* p) { return Load8(p); }
+  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static void Pin(V& x) { __asm__("" : "+x"(x)); }
+};
+#if KVJAX_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V Set1(float x) { return _mm512_set1_ps(x); }
+  static V LoadF(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V Load(const T* p) { return Load16(p); }
+  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void Pin(V& x) { __asm__("" : "+v"(x)); }
+};
+#endif
+#endif
+
 // Sum of 8 lane partials in a fixed tree order (both builds).
 inline float Reduce8(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
