@@ -30,3 +30,11 @@ def jnp_dtype(name_or_dtype):
 def tree_nbytes(tree) -> int:
     """Bytes of every array leaf of `tree` (concrete arrays or `jax.ShapeDtypeStruct`s)."""
     return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def tree_identity(tree) -> tuple[tuple[int, ...], list]:
+    """(the ids of `tree`'s leaves, the leaves): a key for "made from these very arrays" -- a leaf replaced anywhere in
+    the tree, even inside a dict held in place, changes it. A cache keyed on it must hold the leaves (returned for that)
+    so that no id is reused while the entry lives."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return tuple(map(id, leaves)), leaves

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from kvjax.arrays import jnp_dtype
+from kvjax.arrays import jnp_dtype, tree_identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,9 @@ class Model:
         token of a 32-token call). Costs the fused matrices' memory while kept. Without a loop layout: `params`."""
         if self.family.loop_params is None:
             return self.params
-        leaves = jax.tree_util.tree_leaves(self.params)
+        key, leaves = tree_identity(self.params)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):  # inside a trace: nothing to keep
             return self.family.loop_params(self.params)
-        key = tuple(map(id, leaves))  # the leaves are held below, so no id is reused while the entry lives
         hit = self._loop.get("entry")
         if hit is not None and hit[0] == key:
             return hit[2]

@@ -13,10 +13,10 @@ them (`family.loop_params`) and with the output head as its own [H, V] matrix; i
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
 from kvjax.errors import InputError
 
@@ -46,8 +46,8 @@ def draft_params(model, weights: str = "float32"):
     if weights == "float32":
         return model.params
     check_draft_weights(weights, model.family.name)
-    leaves = jax.tree_util.tree_leaves(model.params)
-    key = (weights, *map(id, leaves))
+    ids, leaves = tree_identity(model.params)
+    key = (weights, *ids)
     hit = _cache.get(key)
     if hit is not None:
         return hit[1]

@@ -14,27 +14,28 @@ import jax.numpy as jnp
 from pallas_kernels import native
 
 
-def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f32[..., K] @ w bf16[K, N] -> f32[..., N]; each output one FMA chain over k in order (no row depends on
-    another row of `x`). Raises RuntimeError (naming why) where the native library is not available."""
+def _product_call(name: str, target: str, x: jax.Array, w: jax.Array):
+    """The checked custom call of `name` (`target`): RuntimeError where the library is not available, ValueError for
+    shapes other than x [..., K], w [K, N]."""
     if not native.available():
         raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"matmul_bf16 needs x [..., K] and w [K, N], got {x.shape} and {w.shape}")
+        raise ValueError(f"{name} needs x [..., K] and w [K, N], got {x.shape} and {w.shape}")
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), jnp.float32)
-    call = jax.ffi.ffi_call(native.MATMUL_TARGET, out, vmap_method="broadcast_all")
+    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")
+
+
+def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32[..., K] @ w bf16[K, N] -> f32[..., N]; each output one FMA chain over k in order (no row depends on
+    another row of `x`). Raises RuntimeError (naming why) where the native library is not available."""
+    call = _product_call("matmul_bf16", native.MATMUL_TARGET, x, w)
     return call(x.astype(jnp.float32), w.astype(jnp.bfloat16))
 
 
 def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     """x f32[..., K] @ w f32[K, N] -> f32[..., N]; each output one FMA chain over k in order, so a row's result does not
     depend on the other rows of `x`. Raises RuntimeError (naming why) where the native library is not available."""
-    if not native.available():
-        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
-    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"matmul_f32 needs x [..., K] and w [K, N], got {x.shape} and {w.shape}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), jnp.float32)
-    call = jax.ffi.ffi_call(native.MATMUL_F32_TARGET, out, vmap_method="broadcast_all")
+    call = _product_call("matmul_f32", native.MATMUL_F32_TARGET, x, w)
 
     # The custom call has no derivative: gradients take XLA's products (the same function up to f32 rounding).
     @jax.custom_vjp
