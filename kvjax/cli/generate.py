@@ -470,7 +470,7 @@ def register(sub) -> None:
     v.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
                    help="dtype of the draft's kept keys and values (default float32, the default drafter's bfloat16 "
                         "where read directly; bfloat16: half the bytes)")
-    v.add_argument("--draft-weights", choices=("float32", "bfloat16"),
+    v.add_argument("--draft-weights", choices=("float32", "bfloat16", "int8"),
                    help="weights the draft reads (default as --draft-dtype; bfloat16: a bf16 copy, half the bytes "
                         "per draft token; verification keeps the f32 weights, so the output is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")

@@ -67,7 +67,7 @@ def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
 
 
 DRAFT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-DRAFT_WEIGHTS = ("float32", "bfloat16")  # the weights a draft reads (`kvjax.decode.draft_weights`)
+DRAFT_WEIGHTS = ("float32", "bfloat16", "int8")  # the weights a draft reads (`kvjax.decode.draft_weights`)
 
 
 def sparse_part(form, pos: jax.Array, dtype: str = "float32", gather=gather_tokens) -> SparseKV:
@@ -114,9 +114,9 @@ class Compressor:
         ratio: full prompt tokens / kept tokens per head (e.g. 4.0 keeps a quarter); quantizers ignore it.
         sinks: first tokens always kept in full precision.
         draft_dtype: "float32" (default) or "bfloat16": the dtype of the kept tokens' keys and values (keyword only).
-        draft_weights: the weights the draft reads, "float32" (the model's) or "bfloat16" (a bf16 copy: half the
-            bytes per draft token; verification keeps the f32 weights, so output is unchanged —
-            `kvjax.decode.draft_weights`; keyword only).
+        draft_weights: the weights the draft reads, "float32" (the model's), "bfloat16" (a bf16 copy: half the
+            bytes per draft token) or "int8" (int8 codes, a scale per output column: a quarter); verification keeps
+            the f32 weights, so output is unchanged (`kvjax.decode.draft_weights`; keyword only).
         max_kept: at most this many kept tokens per head whatever the prompt's length (None: no cap; keyword only).
             A draft token's cost grows with the kept tokens while acceptance saturates, so a long prompt is best
             drafted from a fixed number of tokens rather than a fixed fraction (README "Cheaper drafts").

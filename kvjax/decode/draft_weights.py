@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.linear import quantize_int8
 from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
 from kvjax.errors import InputError
@@ -39,9 +40,10 @@ def check_draft_weights(name: str, family_name: str | None = None) -> str:
 
 
 def draft_params(model, weights: str = "float32"):
-    """The params drafting reads: `model.params` for "float32"; for "bfloat16" the fused bf16 copy (made on first
-    use, then kept while the model's params hold the same arrays: a weight replaced anywhere in the tree makes it
-    again); InputError (`check_draft_weights`) for any other name or where this family or platform cannot draft with
+    """The params drafting reads: `model.params` for "float32"; for "bfloat16" a fused bf16 copy, for "int8" fused
+    int8 codes with a scale per output column (`pallas_kernels.linear.Int8Weight`), either made on first use and then
+    kept while the model's params hold the same arrays (a weight replaced anywhere in the tree makes it again);
+    InputError (`check_draft_weights`) for any other name or where this family or platform cannot draft with
     it."""
     if weights == "float32":
         return model.params
@@ -52,11 +54,10 @@ def draft_params(model, weights: str = "float32"):
     if hit is not None:
         return hit[1]
     params = model.family.loop_params(model.params)
-    dtype = jnp.dtype(weights)
-    layers = tuple({k: (v.astype(dtype) if k in _PROJECTIONS else v) for k, v in layer.items()}
-                   for layer in params["layers"])
+    store = quantize_int8 if weights == "int8" else (lambda w: jnp.asarray(w, jnp.bfloat16))
+    layers = tuple({k: (store(v) if k in _PROJECTIONS else v) for k, v in layer.items()} for layer in params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    out = dict(params, layers=layers, lm_head=jnp.asarray(head, dtype))
+    out = dict(params, layers=layers, lm_head=store(head))
     if len(_cache) >= 4:  # a process rarely holds more than a model or two; never grow without bound
         _cache.pop(next(iter(_cache)))
     _cache[key] = (leaves, out)

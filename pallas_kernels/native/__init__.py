@@ -1,6 +1,6 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
-(`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`) and a product
-with bf16 weights (`matmul.cc`, `native.matmul.matmul_bf16`: what a draft with bf16 weights reads).
+(`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`) and products
+with bf16 weights or int8 codes (`matmul.cc`, `native.matmul.matmul_bf16` / `matmul_int8`: what a draft reads).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -40,6 +40,7 @@ TARGET = "kvjax_attend"
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`native.matmul.matmul_f32`)
+MATMUL_I8_TARGET = "kvjax_matmul_int8"  # matmul.cc's int8-code product (`native.matmul.matmul_int8`)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -121,6 +122,7 @@ def _build() -> dict:
             jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_F32_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulF32), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulI8), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue

@@ -1,5 +1,6 @@
 """The native products for a few rows (`matmul.cc`): y f32[..., N] = x f32[..., K] @ w[K, N] with bf16 weights (each
-read once as bf16 and widened in registers; XLA:CPU would first convert `w` to an f32 copy) or f32 weights (`matmul_f32`).
+read once as bf16 and widened in registers; XLA:CPU would first convert `w` to an f32 copy), int8 codes with a scale per
+output column (`matmul_int8`, the same loop, a quarter of f32's bytes) or f32 weights (`matmul_f32`).
 
 `matmul_f32` is not dispatched by the model: on SmolLM2's 120 per-token products alone it took 0.75x XLA:CPU's time
 at 3 and 9 rows and 0.85x at 17, but inside the verify step, in one process at 8K, 220 vs 216 ms (x = 8) and 316 vs 289
@@ -30,6 +31,16 @@ def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
     another row of `x`). Raises RuntimeError (naming why) where the native library is not available."""
     call = _product_call("matmul_bf16", native.MATMUL_TARGET, x, w)
     return call(x.astype(jnp.float32), w.astype(jnp.bfloat16))
+
+
+def matmul_int8(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """(x f32[..., K] @ codes int8[K, N]) * scale f32[N] -> f32[..., N]: each output one FMA chain over k in order
+    (codes widened exactly to f32), times its column's scale once at the end; no row depends on another row of `x`.
+    Raises RuntimeError (naming why) where the native library is not available, ValueError for mismatched shapes."""
+    call = _product_call("matmul_int8", native.MATMUL_I8_TARGET, x, codes)
+    if scale.shape != (codes.shape[1],):
+        raise ValueError(f"matmul_int8 needs scale [N] = [{codes.shape[1]}], got {scale.shape}")
+    return call(x.astype(jnp.float32), codes.astype(jnp.int8), scale.astype(jnp.float32))
 
 
 def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -68,8 +68,10 @@ inline __m256 Exp8(__m256 x) {
 
 // ------------------------------------------------------------------------------------------------ widening loads
 // bf16 -> f32, exactly: a bf16 is the high 16 bits of the f32 of the same value. Elements are float (f32 data,
-// unchanged) or uint16_t (bf16 bits); the vector forms load 8 (AVX2) or 16 (AVX-512) consecutive elements.
+// unchanged), uint16_t (bf16 bits) or int8_t (an int8 weight code, exact in f32); the vector forms load 8 (AVX2) or 16
+// (AVX-512) consecutive elements.
 inline float Widen(float x) { return x; }
+inline float Widen(int8_t x) { return static_cast<float>(x); }
 inline float Widen(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
@@ -83,6 +85,9 @@ inline __m256 Load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #endif
 
 #if KVJAX_AVX2 && defined(__AVX512F__)
@@ -91,6 +96,9 @@ inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 Load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // Exp8's sequence of roundings on 16 lanes (each lane the same operations, so the same bits as Exp8 and ExpScalar).
 inline __m512 Exp16(__m512 x) {

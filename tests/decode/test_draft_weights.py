@@ -1,4 +1,4 @@
-"""Drafting with bf16 weights (`kvjax.decode.draft_weights`): cheaper drafts, output unchanged bit for bit."""
+"""Drafting with bf16 or int8 weights (`kvjax.decode.draft_weights`): cheaper drafts, output unchanged bit for bit."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvjax.compress import make_compressor
 from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.remote import prefix_entry as pe
 from pallas_kernels import native
+from pallas_kernels.linear import Int8Weight, dequantize_int8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 draft weights need the native kernel on CPU")
 
@@ -21,16 +22,17 @@ def _prompt(n=120, seed=0):
     return np.random.default_rng(seed).integers(0, 97, n).astype(np.int32)
 
 
-def test_bf16_draft_weights_keep_vericache_exact(hf_model_dir):
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_low_precision_draft_weights_keep_vericache_exact(hf_model_dir, weights):
     m = kvjax.load(hf_model_dir("llama")[1])
     p = _prompt(seed=3)
     r = kvjax.reference_decode(m, p, 20, draft_len=4, return_logits=True)
     for compressor, kw in [("refresh", dict(block=8, recent_blocks=2, obs_window=8, min_drafts=0)), ("snapkv", {})]:
         g = kvjax.generate_vericache(m, p, 20, compressor=compressor, draft_len=4, ignore_eos=True, return_logits=True,
-                                     compressor_kw=dict(kw, draft_dtype="bfloat16", draft_weights="bfloat16"))
+                                     compressor_kw=dict(kw, draft_dtype="bfloat16", draft_weights=weights))
         np.testing.assert_array_equal(g.tokens, r.tokens)
         np.testing.assert_array_equal(g.logits, r.logits)
-        assert g.stats["mean_accepted_per_round"] > 0  # the bf16 draft still predicts the model's tokens
+        assert g.stats["mean_accepted_per_round"] > 0  # the cheaper draft still predicts the model's tokens
 
 
 def test_draft_params_are_a_fused_bf16_copy_made_once(hf_model_dir):
@@ -52,12 +54,26 @@ def test_draft_params_are_a_fused_bf16_copy_made_once(hf_model_dir):
                                   np.asarray(m.params["layers"][0]["wq"].astype(jnp.bfloat16)))
 
 
+def test_int8_draft_params_are_codes_and_scales_per_output_column(hf_model_dir):
+    m = kvjax.load(hf_model_dir("llama")[1])
+    d = draft_params(m, "int8")
+    assert draft_params(m, "int8") is d and d is not draft_params(m, "bfloat16")  # kept, one copy per kind
+    layer = d["layers"][0]
+    for k in ("wqkv", "wo", "w_gate_up", "w_down"):
+        assert isinstance(layer[k], Int8Weight) and layer[k].codes.dtype == jnp.int8
+    n = m.params["layers"][0]["wq"].shape[1]
+    wq = np.asarray(m.params["layers"][0]["wq"])
+    np.testing.assert_allclose(np.asarray(dequantize_int8(layer["wqkv"]))[:, :n], wq, rtol=0,
+                               atol=np.abs(wq).max() / 127)
+    assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size)
+
+
 def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
     m = kvjax.load(hf_model_dir("llama")[1])
     with pytest.raises(ValueError, match="draft_weights must be one of"):
         kvjax.generate_vericache(m, _prompt(), 4, compressor="snapkv", compressor_kw=dict(draft_weights="int3"))
     with pytest.raises(kvjax.InputError, match="draft_weights must be one of"):
-        check_draft_weights("int8")
+        check_draft_weights("int4")
     with pytest.raises(kvjax.InputError, match="llama family"):
         check_draft_weights("bfloat16", "deepseek_v4")
     # the weights drafting reads do not change the draft cache's keys and values: same stored-draft identity

@@ -1,4 +1,5 @@
-"""The native product with bf16 weights (`pallas_kernels/native/matmul.cc`) against its f32 reference."""
+"""The native products (`pallas_kernels/native/matmul.cc`) with bf16 weights, int8 codes and f32 weights against their
+f64 references, and the int8 weight format (`pallas_kernels.linear.quantize_int8`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import native
+from pallas_kernels.linear import Int8Weight, dequantize_int8, quantize_int8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 
@@ -72,6 +74,8 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
                                 platform="cpu")
     jax.ffi.register_ffi_target("kvjax_matmul_f32_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulF32),
                                 platform="cpu")
+    jax.ffi.register_ffi_target("kvjax_matmul_int8_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulI8),
+                                platform="cpu")
     for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300)]:
         x, w = _case(M, K, N, seed=N)
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
@@ -81,6 +85,10 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
         a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w32))
                 for t in (native.MATMUL_F32_TARGET, "kvjax_matmul_f32_scalar_test"))
         assert np.array_equal(a, b), ("f32", M, K, N)
+        q = quantize_int8(w.astype(jnp.float32))
+        a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, q.codes, q.scale))
+                for t in (native.MATMUL_I8_TARGET, "kvjax_matmul_int8_scalar_test"))
+        assert np.array_equal(a, b), ("int8", M, K, N)
 
 
 @pytest.mark.parametrize("M", [1, 3, 9, 33])
@@ -108,3 +116,57 @@ def test_matmul_f32_has_xlas_gradient():
     rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(gw, rw, rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_int8_is_symmetric_per_output_column():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((40, 12)).astype(np.float32) * np.linspace(0.01, 3.0, 12, dtype=np.float32)
+    w[:, 3] = 0.0  # an all-zero column: scale 1, codes 0
+    q = quantize_int8(jnp.asarray(w))
+    codes, scale = np.asarray(q.codes), np.asarray(q.scale)
+    assert codes.dtype == np.int8 and scale.shape == (12,) and q.shape == (40, 12)
+    assert q.nbytes == 40 * 12 + 12 * 4
+    assert np.all(np.abs(codes) <= 127)
+    live = np.arange(12) != 3
+    assert np.all(np.abs(codes[:, live]).max(axis=0) == 127)  # each column's largest weight is a full-range code
+    assert scale[3] == 1.0 and not codes[:, 3].any()
+    np.testing.assert_allclose(scale[live], np.abs(w[:, live]).max(axis=0) / 127, rtol=1e-6)
+    err = np.abs(np.asarray(dequantize_int8(q)) - w)
+    assert np.all(err <= scale / 2 * (1 + 1e-5))  # round to nearest: at most half a step
+    with pytest.raises(ValueError, match="\\[K, N\\] weight"):
+        quantize_int8(jnp.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("M", [1, 4, 9, 33, 70])
+def test_matmul_int8_matches_the_f64_product_and_a_rows_bits_do_not_depend_on_the_others(M):
+    from pallas_kernels.native.matmul import matmul_int8
+
+    rng = np.random.default_rng(M)
+    K, N = 576, 1536 + 40  # a ragged last column run; 70 rows: two row groups
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    q = quantize_int8(jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.float32))
+    got = np.asarray(jax.jit(matmul_int8)(x, q.codes, q.scale))
+    want = (np.asarray(x, np.float64) @ np.asarray(q.codes, np.float64)) * np.asarray(q.scale, np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    one = np.asarray(jax.jit(matmul_int8)(x[-1:], q.codes, q.scale))
+    np.testing.assert_array_equal(one[0], got[-1])
+    with pytest.raises(ValueError, match="scale \\[N\\]"):
+        matmul_int8(x, q.codes, q.scale[:-1])
+
+
+def test_linear_reads_int8_weights_natively_and_elsewhere_as_a_bf16_dot():
+    """An `Int8Weight` with f32 activations takes the native int8 kernel (no dequantised copy in the program); other
+    activations take the portable form (the codes as bf16, exact, times the scales), the one GPUs and TPUs run."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    q = quantize_int8(jnp.asarray(rng.standard_normal((64, 96)), jnp.float32))
+    assert isinstance(q, Int8Weight)
+    want = np.asarray(x, np.float64) @ np.asarray(dequantize_int8(q), np.float64)
+    got = np.asarray(jax.jit(pallas_kernels.linear)(x, q))
+    assert got.shape == (2, 3, 96)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert native.MATMUL_I8_TARGET in jax.jit(pallas_kernels.linear).lower(x, q).as_text()
+    xb = x.astype(jnp.bfloat16)
+    portable = np.asarray(pallas_kernels.linear(xb, q))
+    np.testing.assert_allclose(portable, np.asarray(xb, np.float64) @ np.asarray(dequantize_int8(q), np.float64),
+                               rtol=1e-4, atol=1e-4 * np.abs(want).max())
