@@ -17,8 +17,9 @@
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a
 // time, each partial sum loaded once per four of its FMAs. Each y[m, n] is one FMA chain over k in order (its first
-// term a plain product), so a row's result does not depend on the other rows in the call, the panel width or the
-// thread that ran it; the scalar build (no AVX2/FMA) does the same roundings with std::fma.
+// term a plain product) -- or, for short weight rows, one chain per chunk of k fixed by the shape (`KChunks`), the
+// chunks' sums added in order -- so a row's result does not depend on the other rows in the call, the panel width or
+// the thread that ran it; the scalar build (no AVX2/FMA) does the same roundings with std::fma.
 
 #include <algorithm>
 #include <cmath>
@@ -43,6 +44,18 @@ constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (in weight bytes of t
 // panel beside them), whole runs of 32 columns.
 inline int64_t PanelColumns(int64_t rows) {
   return std::clamp<int64_t>(6144 / std::max<int64_t>(rows, 1) / 32 * 32, 32, 4096);
+}
+
+// Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): weight rows
+// shorter than kContiguousBytes are read in k chunks of at least kChunkRows rows, each a contiguous block of whole
+// rows, rather than in column panels of a few hundred bytes per row 4 KiB apart (a panel's short runs per row streamed
+// at ~10 GB/s where whole rows stream at ~15: SmolLM2's int8 [576, 3072] and [1536, 576] products, one row).
+constexpr int64_t kContiguousBytes = 8192;
+constexpr int64_t kChunkRows = 128;
+constexpr int64_t kMaxChunks = 2;
+inline int64_t KChunks(int64_t K, int64_t row_bytes) {
+  if (row_bytes >= kContiguousBytes) return 1;
+  return std::clamp<int64_t>(K / kChunkRows, 1, kMaxChunks);
 }
 
 // y[m, c] (= or +=) x[m][k + i] * w[k + i][c] for i < KK in order, for the M rows (x rows at stride K, y rows at
@@ -99,9 +112,10 @@ inline void Steps(const float* x, int64_t K, const T* const* rows, float* y, int
 // alias modulo 4 KiB). Measured, SmolLM2's 120 products, two runs each: bf16 9 rows 28.4/29.4 vs 30.1/29.5 ms in y,
 // 33 rows 79/82 vs 89/97 ms; f32 9 rows 38.7/39.5 vs 48.1/42.3 ms; one row the same.
 // `scale` (int8 codes' per-column scales, or null) multiplies each finished sum once, as it is copied out.
+// x's rows are `ldx` floats apart (a chunk of k: x and w start at the chunk's first k, K is the chunk's length).
 template <typename T>
-void Panel(const float* x, const T* w, const float* scale, float* yout, int64_t M, int64_t K, int64_t N, int64_t n0,
-           int64_t n1) {
+void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* yout, int64_t M, int64_t K, int64_t N,
+           int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0;
   if (K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(yout + m * N + n0, yout + m * N + n1, 0.0f);
@@ -121,17 +135,17 @@ void Panel(const float* x, const T* w, const float* scale, float* yout, int64_t 
   };
   {
     const T* rows[1] = {w + n0};
-    Steps<1>(x, K, rows, y + n0, ldy, M, width, true);
+    Steps<1>(x, ldx, rows, y + n0, ldy, M, width, true);
   }
   int64_t k = 1;
   for (; k + 4 <= K; k += 4) {
     for (int64_t i = 0; i < 4; ++i) prefetch(k + ahead + i);
     const T* rows[4] = {w + k * N + n0, w + (k + 1) * N + n0, w + (k + 2) * N + n0, w + (k + 3) * N + n0};
-    Steps<4>(x + k, K, rows, y + n0, ldy, M, width, false);
+    Steps<4>(x + k, ldx, rows, y + n0, ldy, M, width, false);
   }
   for (; k < K; ++k) {
     const T* rows[1] = {w + k * N + n0};
-    Steps<1>(x + k, K, rows, y + n0, ldy, M, width, false);
+    Steps<1>(x + k, ldx, rows, y + n0, ldy, M, width, false);
   }
   if (scale == nullptr) {
     for (int64_t m = 0; m < M; ++m) std::memcpy(yout + m * N + n0, y + m * ldy + n0, width * sizeof(float));
@@ -156,17 +170,37 @@ ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::An
   float* yp = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // Units of whole 32-column runs, balanced: at least two per thread where N allows (a loaded machine's late thread
-  // then costs less), at most PanelColumns(rows of a group) columns each.
+  // then costs less), at most PanelColumns(rows of a group) columns each; with k in chunks (`KChunks`), every chunk
+  // has its own units, writing its partial sums apart, and the chunks' sums are added in order at the end.
   kvjax_native::Workers pool(xla_pool);
+  const int64_t chunks = KChunks(K, N * static_cast<int64_t>(sizeof(T)));
   const int64_t runs = (N + 31) / 32;
   const int64_t panel = PanelColumns(std::min(M, kGroupRows));
-  const int64_t units = std::min(runs, std::max<int64_t>(2 * pool.threads(), (N + panel - 1) / panel));
+  const int64_t want = (2 * pool.threads() + chunks - 1) / chunks;
+  const int64_t units = std::min(runs, std::max<int64_t>(want, (N + panel - 1) / panel));
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-  pool.Run(units * groups, [&](int64_t u) {
-    const int64_t p = u % units, g = u / units, m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
+  thread_local std::vector<float> parts;  // the calling thread's: workers use `out`, never `parts` itself
+  if (chunks > 1 && static_cast<int64_t>(parts.size()) < chunks * M * N) parts.resize(chunks * M * N);
+  float* out = chunks > 1 ? parts.data() : yp;
+  pool.Run(chunks * units * groups, [&](int64_t u) {
+    const int64_t p = u % units, g = u / units % groups, c = u / (units * groups);
+    const int64_t m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
+    const int64_t k0 = c * K / chunks, k1 = (c + 1) * K / chunks;
     const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
-    if (n0 < n1) Panel(xp + m0 * K, wp, scale, yp + m0 * N, mn, K, N, n0, n1);
+    if (n0 < n1)
+      Panel(xp + m0 * K + k0, K, wp + k0 * N, chunks > 1 ? nullptr : scale, out + c * M * N + m0 * N, mn, k1 - k0, N,
+            n0, n1);
   });
+  if (chunks > 1)
+    pool.Run(units, [&](int64_t p) {
+      const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) {
+          float acc = out[m * N + n];
+          for (int64_t c = 1; c < chunks; ++c) acc += out[c * M * N + m * N + n];
+          yp[m * N + n] = scale ? acc * scale[n] : acc;
+        }
+    });
   return ffi::Error::Success();
 }
 

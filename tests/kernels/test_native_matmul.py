@@ -33,8 +33,9 @@ def test_matmul_bf16_equals_the_f32_product_of_the_bf16_weights(M, K, N):
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """Each output is one FMA chain over k in order: row r is the same bits in calls of 1, 5 and 19 rows (row groups
-    of 8, panels and threads never change a row's arithmetic)."""
+    """Each output is FMA chains over k in order, in chunks of k fixed by the shape (here 2: 300 rows of 2,000 bytes):
+    row r is the same bits in calls of 1, 5 and 19 rows (row groups, panels and threads never change a row's
+    arithmetic)."""
     from pallas_kernels.native.matmul import matmul_bf16
 
     x, w = _case(19, 300, 1000, seed=1)
