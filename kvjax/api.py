@@ -428,8 +428,8 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
 
     Args:
         compressor: one of `model.family.compressors` or a draft maker (None: the family's measured-best
-            `default_compressor`, the refreshing drafter for Llama-family models, with a bf16 draft cache and bf16
-            draft weights where the kernels read bf16 directly, `family.default_compressor_kw`); `compressor_kw`: its
+            `default_compressor`, the refreshing drafter for Llama-family models, with a bf16 draft cache and int8
+            (CPU) or bf16 (GPU/TPU) draft weights where the kernels read them directly, `family.default_compressor_kw`); `compressor_kw`: its
             fields (over those defaults).
         draft_len: x, drafts per round. None (default): adapt x per round over `kvjax.decode.draft_length.
             DEFAULT_SET` starting at 8 — the configuration measured best (README) and the CLI's default; a batch

@@ -81,12 +81,14 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
     assert pe.draft_identity(c, 64) == pe.draft_identity(dataclasses.replace(c, draft_weights="bfloat16"), 64)
 
 
-def test_the_default_drafter_drafts_in_bf16_where_the_kernels_read_it(hf_model_dir):
-    """The family's default drafter (no compressor named) takes the measured-best bf16 draft where bf16 is read
-    directly; a named drafter keeps its f32 defaults, and given fields win over the default ones."""
+def test_the_default_drafter_drafts_cheaply_where_the_kernels_read_it(hf_model_dir):
+    """The family's default drafter (no compressor named) takes the measured-best cheap draft where the kernels read
+    it directly (bf16 kept keys and values; int8 weights on the CPU); a named drafter keeps its f32 defaults, and
+    given fields win over the default ones."""
     m = kvjax.load(hf_model_dir("llama")[1])
     d = m.family.make_compressor(None)
-    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", "bfloat16", "bfloat16", 2048)
+    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", "bfloat16", "int8", 2048)
     assert (d.budget(4096), d.budget(32768), d.budget(100)) == (1024, 2048, 32)  # ratio 4, capped at 2048
     assert m.family.make_compressor("refresh").draft_weights == "float32"
     assert m.family.make_compressor(None, draft_weights="float32").draft_weights == "float32"
+    assert m.family.make_compressor(None, draft_weights="bfloat16").draft_weights == "bfloat16"
