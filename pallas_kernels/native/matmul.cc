@@ -11,8 +11,8 @@
 // weight). Here each weight is read once as bf16 and widened in registers (bf16 -> f32 is exact: a 16-bit shift).
 // int8 codes: a quarter of f32's bytes, widened the same way (int8 -> f32 is exact); the column's scale multiplies
 // the finished sum once. SmolLM2's draft token (8K, refresh): 26.6 -> 20.1 ms with int8 instead of bf16 weights.
-// f32 weights: the same kernel for A/Bs against XLA:CPU's dot at a verify block's few rows (SmolLM2's products alone:
-// 0.75x XLA's time at 9 rows; inside the verify step no gain, so the model keeps XLA's dot: `native/matmul.py`).
+// f32 weights: a verify block's 2-64 rows (`pallas_kernels.linear.F32_NATIVE_ROWS`), by register tiles (below):
+// SmolLM2's verify at 8K, one process against XLA's dot: 9 rows 0.90-0.93x, 17 rows 0.91-0.93x its time.
 //
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a
@@ -38,6 +38,7 @@ using kvjax_native::Widen;
 namespace {
 
 constexpr int64_t kGroupRows = 64;  // rows whose partial sums share a panel
+constexpr int64_t kTileMinRows = 2;  // calls of this many rows or more take the register tiles (`TilePanel`)
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead (in weight bytes of the panel's rows) to prefetch
 
 // Columns per unit for a group of `rows` rows: their partial sums within ~24 KiB of L1 (and four weight rows of the
@@ -46,15 +47,15 @@ inline int64_t PanelColumns(int64_t rows) {
   return std::clamp<int64_t>(6144 / std::max<int64_t>(rows, 1) / 32 * 32, 32, 4096);
 }
 
-// Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): weight rows
-// shorter than kContiguousBytes are read in k chunks of at least kChunkRows rows, each a contiguous block of whole
+// Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): bf16 and int8
+// weight rows (what one-row drafts read) shorter than kContiguousBytes are read in k chunks of at least kChunkRows rows, each a contiguous block of whole
 // rows, rather than in column panels of a few hundred bytes per row 4 KiB apart (a panel's short runs per row streamed
 // at ~10 GB/s where whole rows stream at ~15: SmolLM2's int8 [576, 3072] and [1536, 576] products, one row).
 constexpr int64_t kContiguousBytes = 8192;
 constexpr int64_t kChunkRows = 128;
 constexpr int64_t kMaxChunks = 2;
-inline int64_t KChunks(int64_t K, int64_t row_bytes) {
-  if (row_bytes >= kContiguousBytes) return 1;
+inline int64_t KChunks(int64_t K, int64_t row_bytes, int64_t elem_bytes) {
+  if (row_bytes >= kContiguousBytes || elem_bytes >= 4) return 1;
   return std::clamp<int64_t>(K / kChunkRows, 1, kMaxChunks);
 }
 
@@ -155,6 +156,87 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
     for (int64_t c = n0; c < n1; ++c) yout[m * N + c] = y[m * ldy + c] * scale[c];
 }
 
+// ------------------------------------------------------------------------------------------------ register tiles
+// For several rows: a tile of R rows x C registers of columns accumulates in registers over all of k (each weight
+// vector loaded once per k for the R rows, each x[r, k] broadcast once for the C registers), so the loop is FMAs, not
+// loads and stores of partial sums. The chain per output is the same as `Panel`'s: a plain product at k = 0, then
+// one FMA per k in order, times the column's scale at the end -- the same bits, whichever path and tile ran.
+#if KVJAX_AVX2
+template <typename L, int R, int C, typename T>
+inline void Tile(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N, const float* scale, float* y,
+                 int64_t ahead) {
+  using V = typename L::V;
+  V acc[R][C];
+  {
+    V wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = L::Load(w + j * L::kWidth);
+    for (int r = 0; r < R; ++r) {
+      const V b = L::Set1(x[r * ldx]);
+      for (int j = 0; j < C; ++j) acc[r][j] = L::Mul(b, wv[j]);
+    }
+  }
+  constexpr int64_t kLineElems = 64 / sizeof(T);
+  for (int64_t k = 1; k < K; ++k) {
+    const T* wk = w + k * N;
+    if (k + ahead < K)
+      for (int64_t e = 0; e < C * L::kWidth; e += kLineElems) __builtin_prefetch(wk + ahead * N + e);
+    V wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = L::Load(wk + j * L::kWidth);
+    for (int r = 0; r < R; ++r) {
+      const V b = L::Set1(x[r * ldx + k]);
+      for (int j = 0; j < C; ++j) acc[r][j] = L::Fma(b, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j)
+      L::Store(y + r * N + j * L::kWidth, scale ? L::Mul(acc[r][j], L::LoadF(scale + j * L::kWidth)) : acc[r][j]);
+}
+
+template <typename L, int RMax, int C, typename T>
+inline void Tiles(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N, const float* scale, float* y,
+                  int64_t M, int64_t ahead) {
+  for (int64_t m0 = 0; m0 < M; m0 += RMax) {
+    const float* xm = x + m0 * ldx;
+    float* ym = y + m0 * N;
+    switch (std::min<int64_t>(RMax, M - m0)) {
+      case 1: Tile<L, 1, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+      case 2: Tile<L, 2, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+      case 3: if constexpr (RMax >= 3) Tile<L, 3, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+      case 4: if constexpr (RMax >= 4) Tile<L, 4, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+      case 5: if constexpr (RMax >= 5) Tile<L, 5, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+      default: if constexpr (RMax >= 6) Tile<L, 6, C>(xm, ldx, K, w, N, scale, ym, ahead); break;
+    }
+  }
+}
+#endif
+
+// Columns [n0, n1) of every row by register tiles, the columns no whole tile covers by `Panel` (x's rows `ldx` apart,
+// as in `Panel`).
+template <typename T>
+void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t n0, int64_t n1) {
+  int64_t c = n0;
+  if (K > 0) {
+#if KVJAX_AVX512
+    using L = kvjax_native::Lanes16;
+    constexpr int kRows = 6, kRegs = 4;  // 24 accumulators + 4 weight registers + a broadcast of 32
+#elif KVJAX_AVX2
+    using L = kvjax_native::Lanes8;
+    constexpr int kRows = 2, kRegs = 4;  // 8 + 4 + 1 of 16
+#endif
+#if KVJAX_AVX2
+    constexpr int64_t kBlock = kRegs * L::kWidth;
+    const int64_t ahead = std::clamp<int64_t>(4096 / (kBlock * static_cast<int64_t>(sizeof(T))), 4, 32);
+    for (; c + kBlock <= n1; c += kBlock)
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows)
+        Tiles<L, kRows, kRegs>(x + m0 * ldx, ldx, K, w + c, N, scale ? scale + c : nullptr, y + m0 * N + c,
+                               std::min(kGroupRows, M - m0), ahead);
+#endif
+  }
+  for (int64_t m0 = 0; m0 < M && c < n1; m0 += kGroupRows)
+    Panel(x + m0 * ldx, ldx, w, scale, y + m0 * N, std::min(kGroupRows, M - m0), K, N, c, n1);
+}
+
 template <typename T>
 ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, const float* scale,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -173,11 +255,14 @@ ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::An
   // then costs less), at most PanelColumns(rows of a group) columns each; with k in chunks (`KChunks`), every chunk
   // has its own units, writing its partial sums apart, and the chunks' sums are added in order at the end.
   kvjax_native::Workers pool(xla_pool);
-  const int64_t chunks = KChunks(K, N * static_cast<int64_t>(sizeof(T)));
-  const int64_t runs = (N + 31) / 32;
+  const int64_t chunks = KChunks(K, N * static_cast<int64_t>(sizeof(T)), sizeof(T));
+  // Register tiles take whole 64-column blocks and keep no partial sums in L1, so their units need no width cap.
+  const bool tiles = M >= kTileMinRows;
+  const int64_t align = tiles ? 64 : 32;
+  const int64_t runs = (N + align - 1) / align;
   const int64_t panel = PanelColumns(std::min(M, kGroupRows));
   const int64_t want = (2 * pool.threads() + chunks - 1) / chunks;
-  const int64_t units = std::min(runs, std::max<int64_t>(want, (N + panel - 1) / panel));
+  const int64_t units = std::min(runs, std::max<int64_t>(want, tiles ? runs / 8 : (N + panel - 1) / panel));
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   thread_local std::vector<float> parts;  // the calling thread's: workers use `out`, never `parts` itself
   if (chunks > 1 && static_cast<int64_t>(parts.size()) < chunks * M * N) parts.resize(chunks * M * N);
@@ -186,14 +271,18 @@ ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::An
     const int64_t p = u % units, g = u / units % groups, c = u / (units * groups);
     const int64_t m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
     const int64_t k0 = c * K / chunks, k1 = (c + 1) * K / chunks;
-    const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
-    if (n0 < n1)
+    const int64_t n0 = std::min(N, p * runs / units * align), n1 = std::min(N, (p + 1) * runs / units * align);
+    if (n0 >= n1) return;
+    if (tiles)
+      TilePanel(xp + m0 * K + k0, K, wp + k0 * N, chunks > 1 ? nullptr : scale, out + c * M * N + m0 * N, mn, k1 - k0,
+                N, n0, n1);
+    else
       Panel(xp + m0 * K + k0, K, wp + k0 * N, chunks > 1 ? nullptr : scale, out + c * M * N + m0 * N, mn, k1 - k0, N,
             n0, n1);
   });
   if (chunks > 1)
     pool.Run(units, [&](int64_t p) {
-      const int64_t n0 = std::min(N, p * runs / units * 32), n1 = std::min(N, (p + 1) * runs / units * 32);
+      const int64_t n0 = std::min(N, p * runs / units * align), n1 = std::min(N, (p + 1) * runs / units * align);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) {
           float acc = out[m * N + n];

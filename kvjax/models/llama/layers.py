@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kvjax.models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin
+from kvjax.models.layers import apply_rope, rms_norm, rope_cos_sin
 from kvjax.models.llama.config import ModelConfig
 from pallas_kernels import linear
 
@@ -53,9 +53,9 @@ def project_qkv(config: ModelConfig, layer: Params, h: jax.Array, positions: jax
             qkv = qkv + layer["bqkv"]
         q, k, v = qkv[..., :N * D], qkv[..., N * D:(N + K) * D], qkv[..., (N + K) * D:]
     else:
-        q = h @ layer["wq"]
-        k = h @ layer["wk"]
-        v = h @ layer["wv"]
+        q = linear(h, layer["wq"])
+        k = linear(h, layer["wk"])
+        v = linear(h, layer["wv"])
         if config.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = q.reshape(B, T, N, D)
@@ -94,7 +94,7 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
             gate, up = jnp.split(linear(h, layer["w_gate_up"]), 2, axis=-1)
             x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
         else:
-            x = x + gated_mlp(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+            x = x + linear(jax.nn.silu(linear(h, layer["w_gate"])) * linear(h, layer["w_up"]), layer["w_down"])
         new_states.append(state)
         auxes.append(aux)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), tuple(new_states), tuple(auxes)
@@ -103,5 +103,6 @@ def decoder_stack(params: Params, config: ModelConfig, tokens: jax.Array, positi
 def lm_head(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
     """Logits f32[B, T, V] of final hidden states [B, T, H] (tied embeddings or `lm_head`)."""
     # a draft's weights (`kvjax.decode.draft_weights`) carry their own [H, V] head even when embeddings are tied
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return linear(h, head).astype(jnp.float32)
+    if "lm_head" not in params:  # tied: XLA's dot reads the embedding transposed; a product call would copy it
+        return (h @ params["embed"].T).astype(jnp.float32)
+    return linear(h, params["lm_head"]).astype(jnp.float32)
