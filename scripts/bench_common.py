@@ -249,11 +249,13 @@ def add_model_args(ap, *, context: str, compressors: str, new_tokens: int, new_t
     ap.add_argument("--json", default=json_default, help="write the results here (and a .png next to it)")
 
 
-def parse_model_args(ap, args, known, min_context: int) -> tuple[list[int], list[str]]:
-    """(contexts, compressors) from `add_model_args`' options; `ap.error` names a bad length or unknown drafter."""
+def parse_model_args(ap, args, known, min_context: int, specs: bool = False) -> tuple[list[int], list[str]]:
+    """(contexts, compressors) from `add_model_args`' options; `ap.error` names a bad length or unknown drafter.
+    With `specs`, a drafter may carry fields ('refresh:draft_weights=int8', `parse_drafter_spec`): its name is
+    checked."""
     contexts = parse_contexts(ap, args.context, min_context)
     compressors = [c for c in args.compressors.split(",") if c]
-    unknown = [c for c in compressors if c not in known]
+    unknown = [c for c in compressors if (c.split(":")[0] if specs else c) not in known]
     if unknown:
         ap.error(f"--compressors: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     if args.new_tokens < 1:

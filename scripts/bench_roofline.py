@@ -42,7 +42,8 @@ from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from bench_attention_peers import compare as attention_peers  # noqa: E402
 from bench_common import (STATIC_DRAFTERS, add_model_args, best_of, gguf_source, heldout_prompts,  # noqa: E402
-                          load_bench_model, parse_model_args, run_meta)
+                          load_bench_model, parse_drafter_spec, parse_model_args, run_meta)
+from kvjax.decode.draft_weights import draft_params  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
@@ -128,22 +129,28 @@ def bench_kvjax(model, prompt, compressors, floor, rows):
            tokens_per_s=1 / decode_s)
 
     vdraft = None
-    for name in compressors:
-        comp = family.make_compressor(name, **COMPRESSORS[name])
+    for spec in compressors:
+        name, kw = parse_drafter_spec(spec, COMPRESSORS, None, "bench_roofline.py")
+        comp = family.make_compressor(name, **kw)
+        weights = kw.get("draft_weights", "float32")
+        # the weights the draft reads: the f32 loop layout, or a bf16/int8 copy with its own head (the embedding
+        # table then only gives one row per token, so it is not counted)
+        dparams = loop if weights == "float32" else draft_params(model, weights)
+        dbytes = wbytes if weights == "float32" else tree_nbytes(dparams) - dparams["embed"].nbytes
         t = time.perf_counter()
         dc = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
         comp_s = time.perf_counter() - t
         dc_bytes = dc.nbytes()
-        drafts, _, dc = draft_mod.draft_step(loop, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+        drafts, _, dc = draft_mod.draft_step(dparams, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
         jax.block_until_ready(drafts)
 
         def one():
             nonlocal dc
-            d, _, dc = draft_mod.draft_step(loop, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
+            d, _, dc = draft_mod.draft_step(dparams, config, dc, first, seed, x=X_MAX, family=family, impl=impl)
             return d
 
         draft_s = best_of(one, 3) / X_MAX
-        record(rows, floor, L, f"draft step [{name}]", draft_s, wbytes + dc_bytes, per="token",
+        record(rows, floor, L, f"draft step [{spec}]", draft_s, dbytes + dc_bytes, per="token",
                quantized=name in QUANTIZED, compress_s=comp_s, compress_vs_prefill=comp_s / prefill_s,
                vs_decode=draft_s / decode_s)
         vdraft = dc if vdraft is None else vdraft
@@ -354,7 +361,9 @@ def main(argv=None):
     ap.add_argument("--gguf", action="append", default=[], help="llama.cpp also runs this GGUF file of the same model "
                                                                 "(repeatable; e.g. the Q4_1 file it ships as)")
     args = ap.parse_args(argv)
-    contexts, compressors = parse_model_args(ap, args, COMPRESSORS, 300)
+    contexts, compressors = parse_model_args(ap, args, COMPRESSORS, 300, specs=True)
+    for spec in compressors:  # a bad field fails here, before any model loads
+        parse_drafter_spec(spec, COMPRESSORS, None, ap.prog)
 
     model, name = load_bench_model(args.model, args.random)
     floor = Floor()

@@ -34,6 +34,12 @@ def test_benchmarks_it_calls_have_a_cli(script, monkeypatch, capsys):
 def test_bench_roofline_refuses_bad_flags(monkeypatch, capsys):
     code, out = _main("bench_roofline.py", ["--compressors", "zip"], monkeypatch, capsys)
     assert code not in (0, None) and "unknown zip" in out.err
+    code, out = _main("bench_roofline.py", ["--compressors", "zip:ratio=8"], monkeypatch, capsys)
+    assert code not in (0, None) and "unknown zip" in out.err
+    # a drafter with fields (the default drafter's, say) is taken; a field without a value is refused by name
+    code, _ = _main("bench_roofline.py", ["--compressors", "refresh:draft_weights=int8,refresh:ratio"], monkeypatch,
+                    capsys)
+    assert "'ratio' in 'refresh:ratio' is not field=value" in str(code)
 
 
 @pytest.mark.slow
