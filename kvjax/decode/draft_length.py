@@ -4,10 +4,11 @@ Two policies:
 - `GrowShrink`: grow after a fully accepted round, shrink when under half was accepted (the first adaptive rule).
 - `CostModel`: the VeriCache paper's ideal-speedup reasoning applied per request, online. From the rounds so far it
   estimates the chance `a_i` that draft i is accepted given drafts 0..i-1 were (each depth's ratio shrunk toward the
-  pooled per-token rate, so depths with few trials follow the pooled rate), the time of one draft token `d` and of
-  the rest of a round `v(x)` (verification, transfer and re-selection: exponential averages of the measured phases, a
-  length's first round left out: it includes the compile; a length not timed yet takes the nearest one's time). A
-  round of x drafts then emits `E(x) = 1 + sum_{j<=x} prod_{i<j} a_i` tokens on average and costs `x d + v(x)`; the next
+  pooled per-token rate, so depths with few trials follow the pooled rate), the time of one draft token `d`, of a
+  re-selection per drafted token `r` (a refreshing draft re-selects every so many drafted tokens) and of the rest of a
+  round `v(x)` (verification and transfer: exponential averages of the measured phases, a length's first round left
+  out: it includes the compile; a length not timed yet takes the nearest one's time). A round of x drafts then emits
+  `E(x) = 1 + sum_{j<=x} prod_{i<j} a_i` tokens on average and costs `x (d + r) + v(x)`; the next
   round uses the x with the most predicted tokens per second. When acceptance is low, short drafts (2, 4) win; when
   it is high, long ones — "A Sparse Glimpse of the Whole" (arXiv 2607.27735) makes the same point.
 """
@@ -42,7 +43,8 @@ class GrowShrink:
     def __init__(self, xs: tuple[int, ...]):
         self.xs = tuple(sorted(xs))
 
-    def next(self, x: int, accepted: int, draft_s: float, verify_s: float) -> int:
+    def next(self, x: int, accepted: int, draft_s: float, verify_s: float, refresh_s: float = 0.0,
+             refreshed_tokens: int = 0) -> int:
         i = self.xs.index(x)
         if accepted == x and i + 1 < len(self.xs):
             return self.xs[i + 1]
@@ -68,14 +70,20 @@ class CostModel:
         self.hits = np.zeros(depth)
         self.trials = np.zeros(depth)
         self.draft_token_s: float | None = None
+        self.refresh_token_s = 0.0  # a re-selection's time per token drafted since the one before
         self.verify_s: dict[int, float] = {}
         self.compiled: set[int] = set()  # lengths run once: their first round's times include the compile
 
     def _ema(self, old, new):
         return new if old is None else (1 - self.decay) * old + self.decay * new
 
-    def observe(self, x: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """Record one round: x drafts, `accepted` of them accepted, its measured draft and verify times."""
+    def observe(self, x: int, accepted: int, draft_s: float, verify_s: float, refresh_s: float = 0.0,
+                refreshed_tokens: int = 0) -> None:
+        """Record one round: x drafts, `accepted` of them accepted, its measured draft and verify times, and when it
+        re-selected the draft's blocks, that time and the tokens drafted since the last re-selection. A refreshing
+        draft re-selects every so many drafted tokens, not every round, so its cost is charged per drafted token:
+        counted in the round that happened to pay it, it made that length's verify look slow (measured: x = 8 rounds
+        took 117 ms, or 146-172 ms every fourth round) and a length run twice could keep an inflated estimate."""
         self.hits[:accepted] += 1
         self.trials[:min(accepted + 1, x)] += 1
         if x not in self.compiled:
@@ -83,6 +91,8 @@ class CostModel:
             return
         self.draft_token_s = self._ema(self.draft_token_s, draft_s / max(x, 1))
         self.verify_s[x] = self._ema(self.verify_s.get(x), verify_s)
+        if refreshed_tokens > 0:
+            self.refresh_token_s = self._ema(self.refresh_token_s or None, refresh_s / refreshed_tokens)
 
     def acceptance(self) -> np.ndarray:
         """a_i per depth: hits / trials shrunk toward the pooled rate over every depth (`prior` pseudo-trials of it).
@@ -105,11 +115,13 @@ class CostModel:
         return self.verify_s[min(seen, key=lambda s: abs(s - x))]
 
     def predicted_tokens_per_s(self, x: int) -> float:
-        return self.expected_emitted(x) / (x * self.draft_token_s + self._verify_time(x))
+        return self.expected_emitted(x) / (x * (self.draft_token_s + self.refresh_token_s) + self._verify_time(x))
 
-    def next(self, x: int, accepted: int, draft_s: float, verify_s: float) -> int:
-        """Record the round just run and return the x of the next one (the same x until one timing is measured)."""
-        self.observe(x, accepted, draft_s, verify_s)
+    def next(self, x: int, accepted: int, draft_s: float, verify_s: float, refresh_s: float = 0.0,
+             refreshed_tokens: int = 0) -> int:
+        """Record the round just run (`observe`) and return the x of the next one (the same x until one timing is
+        measured)."""
+        self.observe(x, accepted, draft_s, verify_s, refresh_s, refreshed_tokens)
         if self.draft_token_s is None:
             return x
         return max(self.xs, key=self.predicted_tokens_per_s)

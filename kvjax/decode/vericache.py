@@ -225,7 +225,9 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         n_host = int(n[0])
         new = np.asarray(emitted[0, :n_host + 1])
         td = time.perf_counter()
+        reselect, drafted_since = False, 0
         if spec is not None:
+            drafted_since = since[1] + x  # tokens drafted since the last re-selection, this round's included
             reselect, since = spec.after_verify(since, x)
             if reselect:
                 dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
@@ -234,8 +236,9 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round
         kept = min(n_host + 1, max_new_tokens - len(out))  # a last round may verify past the end: not counted
+        compiled = metrics.jit_cache_sizes(jitted) != compiled_before
         met.add_round(x=x, accepted=min(n_host, kept), draft_s=tb - ta, transfer_s=tc - tb, verify_s=td - tc,
-                      refresh_s=te - td, compiled=metrics.jit_cache_sizes(jitted) != compiled_before, kept=kept,
+                      refresh_s=te - td, compiled=compiled, kept=kept,
                       draft_read_bytes=x * (met.param_bytes + met.draft_bytes),
                       verify_read_bytes=met.param_bytes + fixed_bytes + ctx * row_bytes,
                       h2d_bytes=met.h2d_bytes_per_verify if offload else 0)
@@ -250,7 +253,9 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         if on_round is not None:
             on_round(new, None if lps is None else lps[-1])
         if policy is not None:
-            x = policy.next(x, n_host, tb - ta, te - tb)  # a round's fixed part: verify, transfer, re-select
+            # a round's fixed part: verify and transfer; a re-selection is charged per token drafted since the last
+            # (not from a round that compiled: its first re-selection compiles too)
+            x = policy.next(x, n_host, tb - ta, td - tb, te - td, drafted_since if reselect and not compiled else 0)
         if should_stop is not None and should_stop(out):
             break
     met.decode_s = time.perf_counter() - t_start

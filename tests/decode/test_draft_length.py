@@ -65,3 +65,20 @@ def test_cost_model_leaves_short_drafts_when_every_one_is_accepted_after_an_unlu
         x = m.next(x, x, x * 1e-3, 10e-3)  # from here on every draft is accepted
         picked.append(x)
     assert picked[-1] >= 8, picked
+
+
+def test_a_re_selection_is_charged_per_drafted_token_not_to_the_length_that_paid_it():
+    """A refreshing draft re-selects every so many drafted tokens: x = 8 pays it every fourth round, x = 16 every
+    other one. Charged to the round's fixed part, one costly re-selection in the few x = 16 rounds made x = 16 look
+    slow for the rest of a run; charged per drafted token it costs every length alike (x (d + r) + v(x))."""
+    m = CostModel((8, 16))
+    m.next(8, 8, 8e-3, 0.1)  # compiling rounds
+    m.next(16, 16, 16e-3, 0.15)
+    m.next(8, 8, 8 * 20e-3, 0.10)
+    m.next(16, 16, 16 * 20e-3, 0.15, refresh_s=0.064, refreshed_tokens=32)
+    assert m.verify_s == {8: 0.10, 16: 0.15}  # the re-selection did not enter x = 16's verify time
+    assert abs(m.refresh_token_s - 0.002) < 1e-12  # 64 ms over 32 drafted tokens
+    d, r = m.draft_token_s, m.refresh_token_s
+    assert abs(m.predicted_tokens_per_s(16) - m.expected_emitted(16) / (16 * (d + r) + 0.15)) < 1e-9
+    m.next(16, 16, 16 * 20e-3, 0.15, refresh_s=0.5, refreshed_tokens=0)  # no re-selection counted: no change
+    assert abs(m.refresh_token_s - 0.002) < 1e-12
