@@ -471,8 +471,10 @@ def register(sub) -> None:
                    help="dtype of the draft's kept keys and values (default float32, the default drafter's bfloat16 "
                         "where read directly; bfloat16: half the bytes)")
     v.add_argument("--draft-weights", choices=("float32", "bfloat16", "int8"),
-                   help="weights the draft reads (default as --draft-dtype; bfloat16: a bf16 copy, half the bytes "
-                        "per draft token; verification keeps the f32 weights, so the output is unchanged)")
+                   help="weights the draft reads (default: float32 with a named --compressor; the default drafter's "
+                        "int8 on CPU where the native kernel builds, bfloat16 on GPU/TPU; bfloat16: a bf16 copy, half the bytes per draft token; int8: codes with a "
+                        "scale per output column, a quarter; verification keeps the f32 weights, so the output is "
+                        "unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",
