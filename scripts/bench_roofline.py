@@ -90,7 +90,7 @@ def record(rows, floor, context, step, seconds, nbytes, per="step", **extra):
     return r
 
 
-def bench_kvjax(model, prompt, compressors, floor, rows):
+def bench_kvjax(model, prompt, drafters, floor, rows):
     L = prompt.size
     params, config, family, impl = model.params, model.config, model.family, model.attention
     wbytes = tree_nbytes(params)
@@ -129,8 +129,7 @@ def bench_kvjax(model, prompt, compressors, floor, rows):
            tokens_per_s=1 / decode_s)
 
     vdraft = None
-    for spec in compressors:
-        name, kw = parse_drafter_spec(spec, COMPRESSORS, None, "bench_roofline.py")
+    for spec, (name, kw) in drafters:
         comp = family.make_compressor(name, **kw)
         weights = kw.get("draft_weights", "float32")
         # the weights the draft reads: the f32 loop layout, or a bf16/int8 copy with its own head (the embedding
@@ -362,8 +361,8 @@ def main(argv=None):
                                                                 "(repeatable; e.g. the Q4_1 file it ships as)")
     args = ap.parse_args(argv)
     contexts, compressors = parse_model_args(ap, args, COMPRESSORS, 300, specs=True)
-    for spec in compressors:  # a bad field fails here, before any model loads
-        parse_drafter_spec(spec, COMPRESSORS, None, ap.prog)
+    # (spec, (name, fields)) each; a bad field fails here, before any model loads
+    drafters = [(spec, parse_drafter_spec(spec, COMPRESSORS, None, ap.prog)) for spec in compressors]
 
     model, name = load_bench_model(args.model, args.random)
     floor = Floor()
@@ -374,7 +373,7 @@ def main(argv=None):
         prompt = prompt[0]
         sources[L] = source
         print(f"context {L} ({source}):", flush=True)
-        _, decode_s = bench_kvjax(model, prompt, compressors, floor, rows)
+        _, decode_s = bench_kvjax(model, prompt, drafters, floor, rows)
         if not args.no_peers and name != "random-init":
             kv_row = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim * 4
             peer = bench_transformers(args.model, prompt, args.new_tokens, floor, rows, tree_nbytes(model.params),

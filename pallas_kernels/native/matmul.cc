@@ -48,9 +48,10 @@ inline int64_t PanelColumns(int64_t rows) {
 }
 
 // Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): bf16 and int8
-// weight rows (what one-row drafts read) shorter than kContiguousBytes are read in k chunks of at least kChunkRows rows, each a contiguous block of whole
-// rows, rather than in column panels of a few hundred bytes per row 4 KiB apart (a panel's short runs per row streamed
-// at ~10 GB/s where whole rows stream at ~15: SmolLM2's int8 [576, 3072] and [1536, 576] products, one row).
+// weight rows (what one-row drafts read) shorter than kContiguousBytes are read in k chunks of at least kChunkRows
+// rows, each a contiguous block of whole rows, rather than in column panels of a few hundred bytes per row 4 KiB apart
+// (a panel's short runs per row streamed at ~10 GB/s where whole rows stream at ~15: SmolLM2's int8 [576, 3072] and
+// [1536, 576] products, one row).
 constexpr int64_t kContiguousBytes = 8192;
 constexpr int64_t kChunkRows = 128;
 constexpr int64_t kMaxChunks = 2;
@@ -210,8 +211,8 @@ inline void Tiles(const float* x, int64_t ldx, int64_t K, const T* w, int64_t N,
 }
 #endif
 
-// Columns [n0, n1) of every row by register tiles, the columns no whole tile covers by `Panel` (x's rows `ldx` apart,
-// as in `Panel`).
+// Columns [n0, n1) of a group of at most kGroupRows rows by register tiles, the columns no whole tile covers by `Panel`
+// (x's rows `ldx` apart, as in `Panel`).
 template <typename T>
 void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, float* y, int64_t M, int64_t K, int64_t N,
                int64_t n0, int64_t n1) {
@@ -228,13 +229,10 @@ void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, floa
     constexpr int64_t kBlock = kRegs * L::kWidth;
     const int64_t ahead = std::clamp<int64_t>(4096 / (kBlock * static_cast<int64_t>(sizeof(T))), 4, 32);
     for (; c + kBlock <= n1; c += kBlock)
-      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows)
-        Tiles<L, kRows, kRegs>(x + m0 * ldx, ldx, K, w + c, N, scale ? scale + c : nullptr, y + m0 * N + c,
-                               std::min(kGroupRows, M - m0), ahead);
+      Tiles<L, kRows, kRegs>(x, ldx, K, w + c, N, scale ? scale + c : nullptr, y + c, M, ahead);
 #endif
   }
-  for (int64_t m0 = 0; m0 < M && c < n1; m0 += kGroupRows)
-    Panel(x + m0 * ldx, ldx, w, scale, y + m0 * N, std::min(kGroupRows, M - m0), K, N, c, n1);
+  if (c < n1) Panel(x, ldx, w, scale, y, M, K, N, c, n1);
 }
 
 template <typename T>
@@ -302,7 +300,8 @@ ffi::Error MatmulI8(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
                     ffi::ResultBuffer<ffi::F32> y) {
   if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("w must be int8");
   auto wd = w.dimensions(), sd = scale.dimensions();
-  if (wd.size() != 2 || sd.size() != 1 || sd[0] != wd[1]) return ffi::Error::InvalidArgument("scale must be f32[N] for w [K, N]");
+  if (wd.size() != 2 || sd.size() != 1 || sd[0] != wd[1])
+    return ffi::Error::InvalidArgument("scale must be f32[N] for w [K, N]");
   return MatmulImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
 }
 

@@ -25,15 +25,17 @@ def _product_call(name: str, target: str, x: jax.Array, w: jax.Array):
 
 def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
     """x f32[..., K] @ w bf16[K, N] -> f32[..., N]; each output FMA chains over k in order (`matmul.cc`: fixed by the
-    shape), so no row depends on another row of `x`. Raises RuntimeError (naming why) where the native library is not available."""
+    shape), so no row depends on another row of `x`. Raises RuntimeError (naming why) where the native library is not
+    available."""
     call = _product_call("matmul_bf16", native.MATMUL_TARGET, x, w)
     return call(x.astype(jnp.float32), w.astype(jnp.bfloat16))
 
 
 def matmul_int8(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """(x f32[..., K] @ codes int8[K, N]) * scale f32[N] -> f32[..., N]: each output FMA chains over k in order
-    (codes widened exactly to f32; chunks fixed by the shape, `matmul.cc`), times its column's scale once at the end; no row depends on another row of `x`.
-    Raises RuntimeError (naming why) where the native library is not available, ValueError for mismatched shapes."""
+    (codes widened exactly to f32; chunks fixed by the shape, `matmul.cc`), times its column's scale once at the end;
+    no row depends on another row of `x`. Raises RuntimeError (naming why) where the native library is not available,
+    ValueError for mismatched shapes."""
     call = _product_call("matmul_int8", native.MATMUL_I8_TARGET, x, codes)
     if scale.shape != (codes.shape[1],):
         raise ValueError(f"matmul_int8 needs scale [N] = [{codes.shape[1]}], got {scale.shape}")
@@ -41,8 +43,9 @@ def matmul_int8(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x f32[..., K] @ w f32[K, N] -> f32[..., N]; each output FMA chains over k in order (chunks fixed by the shape,
-    `matmul.cc`), so a row's result does not depend on the other rows of `x`. Raises RuntimeError (naming why) where the native library is not available."""
+    """x f32[..., K] @ w f32[K, N] -> f32[..., N]; each output one FMA chain over k in order (f32 weights are never
+    read in chunks, `matmul.cc`), so a row's result does not depend on the other rows of `x`. Raises RuntimeError
+    (naming why) where the native library is not available."""
     call = _product_call("matmul_f32", native.MATMUL_F32_TARGET, x, w)
 
     # The custom call has no derivative: gradients take XLA's products (the same function up to f32 rounding).
