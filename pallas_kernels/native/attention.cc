@@ -94,6 +94,23 @@ struct Rows {
   std::vector<const float*> q;
 };
 
+// Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
+// this block is computed (measured: without it 1-2 rows per tile ran 1.3x slower, the key transposition waiting on
+// memory; at many rows the kernel is compute-bound and would stall on each new block).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t left = 0;
+  // Up to n more lines: called from inside a tile's loop (once per step over d or over keys), so the stream's
+  // requests are spread over the computation instead of issued in bursts.
+  void Lines(int64_t n) {
+#if KVJAX_AVX2
+    for (; n > 0 && left > 0; --n, left -= 64, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+#else
+    (void)n;
+#endif
+  }
+};
+
 // The per-block scratch of one work unit. kT: the block's keys transposed, kT[d * npad + j] (keys past n are 0);
 // kp: the block's positions padded with -1 (never visible: lo >= 0); s: scores then probabilities, one row of
 // `block` floats per row of the chunk; rmax / vis: per row, 8 lane maxima of its masked scores and whether any key
@@ -102,6 +119,8 @@ struct Scratch {
   std::vector<float> kT, s, rmax;
   std::vector<int32_t> kp, vis;
   std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
+  Prefetch* pf = nullptr;     // the stream the tiles now running prefetch from (the next block's keys or values)
+  int64_t pf_lines = 0;       // lines per step of a tile's inner loop
 };
 
 // One key block: n keys (npad = n rounded up to 8), whether every slot is occupied with n == npad, and the min and
@@ -192,20 +211,6 @@ inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float*
     for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Widen(kb[jj * D + d]) : 0.0f;
 }
 
-// Prefetches [p, p + bytes) into L2, a slice at a time: the next block's keys and values stream in from memory while
-// this block is computed (measured: without it 1-2 rows per tile ran 1.3x slower, the key transposition waiting on
-// memory; at many rows the kernel is compute-bound and would stall on each new block).
-struct Prefetch {
-  const char* p = nullptr;
-  int64_t left = 0;
-  void Step(int64_t bytes) {
-#if KVJAX_AVX2
-    for (bytes = std::min(bytes, left); bytes > 0; bytes -= 64, left -= 64, p += 64) _mm_prefetch(p, _MM_HINT_T1);
-#else
-    (void)bytes;
-#endif
-  }
-};
 
 #if KVJAX_AVX2
 // ------------------------------------------------------------------------------------------------ AVX2 tiles
@@ -218,7 +223,7 @@ struct Prefetch {
 template <int R, int V>
 inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, __m256 sc,
                       const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                      float* rmax, int32_t* vis) {
+                      float* rmax, int32_t* vis, Prefetch& pf, int64_t pf_lines) {
   __m256 acc[R][V];
   {
     __m256 kv[V];
@@ -232,6 +237,7 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
     }
   }
   for (int64_t d = 1; d < D; ++d) {
+    pf.Lines(pf_lines);
     const float* kd = kt + d * ld;
     __m256 kv[V];
     KVJAX_UNROLL
@@ -280,7 +286,7 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
 template <int R, int V>
 inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int64_t D, __m512 sc,
                         const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                        float* rmax, int32_t* vis) {
+                        float* rmax, int32_t* vis, Prefetch& pf, int64_t pf_lines) {
   __m512 acc[R][V];
   {
     __m512 kv[V];
@@ -294,6 +300,7 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
     }
   }
   for (int64_t d = 1; d < D; ++d) {
+    pf.Lines(pf_lines);
     const float* kd = kt + d * ld;
     __m512 kv[V];
     KVJAX_UNROLL
@@ -370,7 +377,7 @@ inline float ExpSum(float* s, int64_t npad, float m) {
 // shape nor the register width changes a row's arithmetic.
 template <typename L, int R, int CC, typename T>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
-                   int64_t m, int64_t D) {
+                   int64_t m, int64_t D, Prefetch& pf, int64_t pf_lines) {
   using V = typename L::V;
   constexpr int W = L::kWidth;
   V acc[R][CC];
@@ -384,6 +391,7 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
     }
   }
   for (int64_t j = 0; j < m; ++j) {
+    pf.Lines(pf_lines);
     V vv[CC];
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
@@ -421,7 +429,7 @@ __attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const
     float* s[R];
     for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
     ScoreTile<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
-                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0);
+                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_lines);
   }
 }
 
@@ -448,7 +456,7 @@ __attribute__((noinline)) void ScoreRows16(const Problem& P, const Rows& R_, con
     float* s[R];
     for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
     ScoreTile16<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
-                      W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0);
+                      W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_lines);
   }
 }
 
@@ -500,20 +508,20 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   constexpr int CW = 4;  // 16-column registers per tile: R * CW <= 24 accumulators of 32
   for (; c + 2 * CW <= C; c += 2 * CW) {
     shifted(c, oc);
-    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
   }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
   }
 #endif
   for (; c + CC <= C; c += CC) {
     shifted(c, oc);
-    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
   }
   for (; c < C; ++c) {
     shifted(c, oc);
-    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D);
+    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
   }
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {
@@ -571,11 +579,13 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, std::min(ld, n - j0), D, ld, W.kT.data());
-    const int64_t pf = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64 * 64;
-    for (int64_t a0 = 0; a0 < na; a0 += kRowTile) {
+    // each row tile prefetches its share of the next block's keys (this panel's bytes over the tiles), a few
+    // lines per step over d
+    const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
+    W.pf = &next_k;
+    W.pf_lines = (lines + D - 2) / std::max<int64_t>(D - 1, 1);
+    for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
       ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
-      next_k.Step(pf);
-    }
   }
 #else
   (void)next_k;
@@ -630,11 +640,12 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const bool first = j0 == 0;
 #if KVJAX_AVX2
     const int64_t tiles = std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile);
-    const int64_t pf = (m * D * static_cast<int64_t>(sizeof(T)) / tiles + 63) / 64 * 64;
-    for (int64_t i0 = 0; i0 < nl; i0 += kRowTile) {
+    // each row tile prefetches its share of the next block's values, a few lines per key
+    const int64_t lines = (m * D * static_cast<int64_t>(sizeof(T)) / tiles + 63) / 64;
+    W.pf = &next_v;
+    W.pf_lines = (lines + m - 1) / m;
+    for (int64_t i0 = 0; i0 < nl; i0 += kRowTile)
       ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, j0, m, first);
-      next_v.Step(pf);
-    }
 #else
     (void)next_v;
     for (int64_t i = 0; i < nl; ++i) {
