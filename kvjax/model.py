@@ -32,7 +32,7 @@ class Model:
     path: str | None = None
     dtype: str = "f32"
     attention: str = "xla"
-    # (ids of the params' leaves, the leaves, the loop layout) of the last `loop_params()` call
+    # per layout name ("loop", "verify"): (ids of the params' leaves, the leaves, the layout) of its last call
     _loop: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def loop_params(self):
@@ -41,17 +41,27 @@ class Model:
         deep inside the tree, makes it again. Pass it wherever `params` goes to a decode loop (`steps.decode`): a loop
         given the plain layout rebuilds the fused one on every call (SmolLM2-135M: 280 MB of concatenation, ~5 ms per
         token of a 32-token call). Costs the fused matrices' memory while kept. Without a loop layout: `params`."""
-        if self.family.loop_params is None:
+        return self._layout("loop", self.family.loop_params)
+
+    def verify_params(self):
+        """`params` in the layout verify-shape forwards read (`Family.verify_params`; Llama on a CPU with the native
+        kernel packs its f32 projections in 64-column panels, `pallas_kernels.linear.PackedF32`): the same bits as
+        `params` for every call, read as contiguous streams. Made once and kept like `loop_params` (costing the packed
+        copy's memory while kept). Without a verify layout: `params`."""
+        return self._layout("verify", self.family.verify_params)
+
+    def _layout(self, name: str, make):
+        if make is None:
             return self.params
         key, leaves = tree_identity(self.params)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):  # inside a trace: nothing to keep
-            return self.family.loop_params(self.params)
-        hit = self._loop.get("entry")
+            return make(self.params)
+        hit = self._loop.get(name)
         if hit is not None and hit[0] == key:
             return hit[2]
-        fused = jax.jit(self.family.loop_params)(self.params)
-        self._loop["entry"] = (key, leaves, fused)
-        return fused
+        made = jax.jit(make)(self.params)
+        self._loop[name] = (key, leaves, made)
+        return made
 
     @property
     def cache_dtype(self):

@@ -65,13 +65,72 @@ def bf16_weights_supported() -> tuple[bool, str]:
 # 0.90-0.93x XLA's time.
 F32_NATIVE_ROWS = (2, 64)
 
+PANEL = 64  # columns per panel of a `PackedF32`
+
+
+class PackedF32(NamedTuple):
+    """An f32 `[K, N]` weight stored as 64-column panels, `panels` f32[N / 64, K, 64] (panel p: columns 64p..64p+63,
+    each k's 64 weights contiguous), so the native register tiles read each panel as one contiguous stream (`matmul.cc`
+    `MatmulF32Packed`). `linear` gives exactly the bits it gives for the plain matrix, for any number of rows: the
+    rows the native tiles take (`F32_NATIVE_ROWS`) run the same FMA chains; any other call multiplies the unpacked
+    matrix with XLA's dot, as it would the plain one. A pytree, so jit takes it."""
+
+    panels: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        return (self.panels.shape[1], self.panels.shape[0] * PANEL)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+
+def packed_weights_supported() -> bool:
+    """Whether `PackedF32` weights are read natively here (the CPU backend with the native library); elsewhere packing
+    would only add an unpacking copy per call."""
+    return jax.default_backend() == "cpu" and native.available()
+
+
+def packable(w) -> bool:
+    """Whether `w` is a plain f32 `[K, N]` matrix `pack_f32` takes (N a positive multiple of 64)."""
+    return (isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32 and w.shape[1] > 0
+            and w.shape[1] % PANEL == 0)
+
+
+def pack_f32(w: jax.Array) -> PackedF32:
+    """`w` f32[K, N] (N a multiple of 64) as a `PackedF32`; ValueError for any other shape or dtype."""
+    if not packable(w):
+        raise ValueError(f"pack_f32 needs an f32 [K, N] matrix with N a positive multiple of {PANEL}, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)}{tuple(getattr(w, 'shape', ()))}")
+    K, N = w.shape
+    return PackedF32(w.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2))
+
+
+def unpack_f32(w: PackedF32) -> jax.Array:
+    """The plain f32 `[K, N]` matrix a `PackedF32` stores."""
+    P, K, _ = w.panels.shape
+    return w.panels.transpose(1, 0, 2).reshape(K, P * PANEL)
+
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x @ w. With f32 `x` and a bf16 `w` or an `Int8Weight`: on CPU the native kernel reads the weights as stored
     (`native.matmul.matmul_bf16` / `matmul_int8`); elsewhere a bf16 dot with f32 results (int8 codes are exact in
     bf16), times the scales for int8. f32 `x` and `w` [K, N] with `F32_NATIVE_ROWS` rows: on CPU the native f32 product
-    (a verify block's rows; each row's bits independent of the others). Anything else: `x @ w` unchanged."""
+    (a verify block's rows; each row's bits independent of the others); a `PackedF32` gives the same bits as its plain
+    matrix. Anything else: `x @ w` unchanged."""
     native_cpu = jax.default_backend() == "cpu" and native.available()
+    if isinstance(w, PackedF32):
+        if (native_cpu and x.dtype == jnp.float32
+                and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1]):
+            from pallas_kernels.native.matmul import matmul_f32_packed  # noqa: PLC0415 - only where the library built
+
+            return matmul_f32_packed(x, w.panels)
+        return x @ unpack_f32(w)  # what the plain matrix would take (a copy: these calls are not the packed ones' use)
     if isinstance(w, Int8Weight):
         if native_cpu and x.dtype == jnp.float32:
             from pallas_kernels.native.matmul import matmul_int8  # noqa: PLC0415 - only where the library built

@@ -62,8 +62,8 @@ def timed(fn):
 def reference(model, full, first, M, x):
     seed, tok, out = jnp.zeros((1,), jnp.int32), first, [int(first[0])]
     for _ in range(M - 1):
-        tok, _, full, _ = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
-                                         impl=model.attention)
+        tok, _, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
+                                         family=model.family, impl=model.attention)
         out.append(int(tok[0]))
     return np.asarray(out, np.int32)
 

@@ -98,8 +98,8 @@ def bench_model(model, prompt, reps: int, log) -> tuple[list, dict]:
     dcache = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
     spec = dcache.refresh
     drafts, qlog, dcache = draft_mod.draft_step(params, config, dcache, first, seed, x=X, family=family, impl=impl)
-    _, _, full, dcache, _, aux = verify_mod.verify_step(params, config, full, dcache, first, drafts, qlog, seed,
-                                                        family=family, impl=impl)
+    _, _, full, dcache, _, aux = verify_mod.verify_step(model.verify_params(), config, full, dcache, first, drafts,
+                                                        qlog, seed, family=family, impl=impl)
     jax.block_until_ready((full, dcache, aux))
     dense = [i for i, q in enumerate(aux[0]) if q is not None]
     log(f"context {L}, {cap} slots, {len(dense)} scored layers, block {spec.block}, budget {spec.budget} tokens")

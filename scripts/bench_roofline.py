@@ -168,7 +168,7 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
             fresh = copy(full)
             jax.block_until_ready(fresh)
             t0 = time.perf_counter()
-            out = verify_mod.verify_step(params, config, fresh, state["dc"], first, drafts, qlog, seed,
+            out = verify_mod.verify_step(model.verify_params(), config, fresh, state["dc"], first, drafts, qlog, seed,
                                          family=family, impl=impl)
             jax.block_until_ready(out[0])
             state["dc"] = out[3]

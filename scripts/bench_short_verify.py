@@ -57,7 +57,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
         for _ in range(4):
             c = copy()
             t0 = time.perf_counter()
-            jax.block_until_ready(verify_mod.verify_step(model.params, cfg, c, None, first, drafts, qlog, seed,
+            jax.block_until_ready(verify_mod.verify_step(model.verify_params(), cfg, c, None, first, drafts, qlog, seed,
                                                          family=fam, impl=impl)[0])
             times.append(time.perf_counter() - t0)
         return min(times[1:]) * 1e3  # the first call compiles

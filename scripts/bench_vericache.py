@@ -76,8 +76,8 @@ def reference(model, full, first, M, x):
     tok, out, margins = first, [int(first[0])], []
     t = time.perf_counter()
     for _ in range(M - 1):
-        tok, row, full, _ = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
-                                        impl=model.attention)
+        tok, row, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
+                                           family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         top = jax.lax.top_k(row[0], 2)[0]
         margins.append(float(top[0] - top[1]))

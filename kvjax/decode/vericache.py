@@ -153,6 +153,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     met = RunMetrics(name=f"vericache[{getattr(comp, 'name', type(comp).__name__)}]", params=params)
     # what drafting reads: the model's weights or their bf16 copy (checked, and made once per model, before any compute)
     dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))
+    vparams = model.verify_params()  # what verification reads: the same bits as `params`, laid out for its products
     t0 = time.perf_counter()
     if draft_cache is None:
         dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
@@ -213,13 +214,13 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
             emitted, n, device_part, dcache, logits, aux, committed = verify_mod.verify_offloaded(
-                params, config, fetched, device_part, length, prompt_len, dcache, last, drafts, qlog, seed_a,
+                vparams, config, fetched, device_part, length, prompt_len, dcache, last, drafts, qlog, seed_a,
                 temperature=temperature, rejection=rejection, family=family, impl=impl)
             length = length + n + 1
         else:
             tc = tb
             emitted, n, full, dcache, logits, aux = verify_mod.verify_step(
-                params, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
+                vparams, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
                 rejection=rejection, family=family, impl=impl)
             committed = full
         n_host = int(n[0])
@@ -297,7 +298,7 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     tok = first_token(logits, prompt.size, seed_a, temperature)
     out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
     for _ in range(max_new_tokens - 1):
-        tok, row, full, _ = reference_step(model.params, model.config, full, tok, seed_a, x=draft_len,
+        tok, row, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed_a, x=draft_len,
                                         temperature=temperature, family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         if return_margins:

@@ -13,7 +13,7 @@ from kvjax.models.attention import make_attention_fn
 from kvjax.compress.refresh import refresh_draft
 from kvjax.models.llama import cache, draft, model, offload, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
-from kvjax.models.llama.layers import fuse_projections
+from kvjax.models.llama.layers import fuse_projections, pack_projections
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
 
 
@@ -80,4 +80,5 @@ LLAMA = Family(
     prefix_layout=LlamaBlockLayout,
     shard_params=sharding.shard_params,
     loop_params=fuse_projections,
+    verify_params=pack_projections,
 )

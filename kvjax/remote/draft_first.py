@@ -123,8 +123,8 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
     if decoder == "reference":
         tok, seed = first, jnp.zeros((1,), jnp.int32)
         for _ in range(M - 1):
-            tok, _, full, _ = reference_step(model.params, model.config, full, tok, seed, x=x, family=model.family,
-                                          impl=model.attention)
+            tok, _, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
+                                             family=model.family, impl=model.attention)
             out.append(int(tok[0]))
         return np.asarray(out, np.int32), {}
     if decoder.startswith("vericache"):
@@ -326,7 +326,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             drafts, _, dcache = draft_mod.draft_step(dparams, config, dcache, last, seed, x=x, family=model.family,
                                                      impl=model.attention)
         emitted, n, full, dcache, _, _ = verify_mod.verify_step(
-            params, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
+            model.verify_params(), config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
             family=model.family, impl=model.attention)
         n = int(n[0])
         new = [int(t) for t in np.asarray(emitted[0, :n + 1])]

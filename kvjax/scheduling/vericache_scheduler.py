@@ -359,7 +359,7 @@ class VeriCacheScheduler:
 
     def _verify_one(self, s: int, fetched) -> None:
         r = self.live[s]
-        cfg, params = self.model.config, self.model.params
+        cfg, params = self.model.config, self.model.verify_params()
         fam = self.model.family
         row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s), family=fam)
         emitted, n, tail, row, _, aux, scratch = verify_mod.verify_offloaded(

@@ -41,6 +41,7 @@ BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kern
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`native.matmul.matmul_f32`)
 MATMUL_I8_TARGET = "kvjax_matmul_int8"  # matmul.cc's int8-code product (`native.matmul.matmul_int8`)
+MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with panel-packed f32 weights
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -123,6 +124,8 @@ def _build() -> dict:
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_F32_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulF32), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_I8_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulI8), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_F32_PACKED_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulF32Packed),
+                                        platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue

@@ -64,3 +64,17 @@ def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
 
     product.defvjp(fwd, bwd)
     return product(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def matmul_f32_packed(x: jax.Array, panels: jax.Array) -> jax.Array:
+    """x f32[..., K] @ w -> f32[..., N] for f32 weights packed in 64-column panels, `panels` f32[N / 64, K, 64]
+    (`pallas_kernels.linear.pack_f32`): each output one FMA chain over k in order, the same bits as `matmul_f32` on the
+    unpacked `w` for any number of rows. Raises RuntimeError (naming why) where the native library is not available,
+    ValueError for mismatched shapes."""
+    if not native.available():
+        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
+    if panels.ndim != 3 or panels.shape[2] != 64 or x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"matmul_f32_packed needs x [..., K] and panels [P, K, 64], got {x.shape} and {panels.shape}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (panels.shape[0] * 64,), jnp.float32)
+    call = jax.ffi.ffi_call(native.MATMUL_F32_PACKED_TARGET, out, vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), panels.astype(jnp.float32))

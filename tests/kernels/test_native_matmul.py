@@ -10,7 +10,8 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import native
-from pallas_kernels.linear import Int8Weight, dequantize_int8, quantize_int8
+from pallas_kernels.linear import (F32_NATIVE_ROWS, Int8Weight, PackedF32, dequantize_int8, pack_f32, quantize_int8,
+                                   unpack_f32)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 
@@ -77,7 +78,9 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
                                 platform="cpu")
     jax.ffi.register_ffi_target("kvjax_matmul_int8_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulI8),
                                 platform="cpu")
-    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300)]:
+    jax.ffi.register_ffi_target("kvjax_matmul_packed_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulF32Packed),
+                                platform="cpu")
+    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300), (7, 40, 192)]:
         x, w = _case(M, K, N, seed=N)
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w)) for t in (native.MATMUL_TARGET, "kvjax_matmul_scalar_test"))
@@ -90,6 +93,11 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
         a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, q.codes, q.scale))
                 for t in (native.MATMUL_I8_TARGET, "kvjax_matmul_int8_scalar_test"))
         assert np.array_equal(a, b), ("int8", M, K, N)
+        if N % 64 == 0:
+            p = pack_f32(w32).panels
+            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p))
+                    for t in (native.MATMUL_F32_PACKED_TARGET, "kvjax_matmul_packed_scalar_test"))
+            assert np.array_equal(a, b), ("packed", M, K, N)
 
 
 @pytest.mark.parametrize("M", [1, 3, 9, 33])
@@ -171,3 +179,37 @@ def test_linear_reads_int8_weights_natively_and_elsewhere_as_a_bf16_dot():
     portable = np.asarray(pallas_kernels.linear(xb, q))
     np.testing.assert_allclose(portable, np.asarray(xb, np.float64) @ np.asarray(dequantize_int8(q), np.float64),
                                rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_pack_f32_round_trips_and_refuses_what_it_cannot_pack():
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((5, 128)), jnp.float32)
+    p = pack_f32(w)
+    assert p.panels.shape == (2, 5, 64) and p.shape == (5, 128) and p.nbytes == w.nbytes
+    np.testing.assert_array_equal(np.asarray(p.panels[1, 2]), np.asarray(w[2, 64:]))  # panel 1: columns 64..127
+    np.testing.assert_array_equal(np.asarray(unpack_f32(p)), np.asarray(w))
+    for bad in (w[:, :100], w.astype(jnp.bfloat16), w[0]):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            pack_f32(bad)
+
+
+@pytest.mark.parametrize("K,N", [(576, 3072), (1536, 576), (70, 192)])
+def test_packed_weights_give_the_plain_matrixs_bits_for_any_number_of_rows(K, N):
+    """`linear` on a `PackedF32` equals `linear` on its plain matrix bit for bit -- the native tiles' rows
+    (`F32_NATIVE_ROWS`) and the rows XLA's dot takes alike -- and the packed product itself is the plain product's chain
+    for every row count, one row and more than a group of 64 included; a row's bits do not depend on the other rows."""
+    from pallas_kernels.native.matmul import matmul_f32, matmul_f32_packed
+
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    p = pack_f32(w)
+    x = jnp.asarray(rng.standard_normal((130, K)), jnp.float32)
+    for M in (1, 2, 5, 9, 33, 64, 65, 130):
+        a, b = np.asarray(pallas_kernels.linear(x[:M], p)), np.asarray(pallas_kernels.linear(x[:M], w))
+        assert np.array_equal(a, b), M
+        direct = np.asarray(matmul_f32_packed(x[:M], p.panels))
+        assert np.array_equal(direct, np.asarray(matmul_f32(x[:M], w))), M
+        assert np.array_equal(direct, np.asarray(matmul_f32_packed(x, p.panels))[:M]), M
+    assert F32_NATIVE_ROWS[0] <= 9 <= F32_NATIVE_ROWS[1]
+    with pytest.raises(ValueError, match="panels"):
+        matmul_f32_packed(x[:, :K - 1], p.panels)
+    assert isinstance(p, PackedF32)
