@@ -4,6 +4,8 @@
 Weights are a plain bf16 `[K, N]` array or an `Int8Weight` (int8 codes `[K, N]` and one f32 scale per output column:
 w ~ codes * scale, symmetric, scale = max |w[:, n]| / 127 -- per-channel weight quantization as in LLM.int8's
 vector-wise scheme, arXiv 2208.07339, without its outlier split: drafts only need to be good, verification is exact).
+On CPU with the native kernel, f32 matrices and int8 codes can also be stored as 64-column panels (`PackedF32`,
+`PackedInt8`): the same bits as the plain layout, read as contiguous streams by the native register tiles.
 """
 
 from __future__ import annotations
@@ -107,22 +109,61 @@ def pack_f32(w: jax.Array) -> PackedF32:
     if not packable(w):
         raise ValueError(f"pack_f32 needs an f32 [K, N] matrix with N a positive multiple of {PANEL}, got "
                          f"{getattr(w, 'dtype', type(w).__name__)}{tuple(getattr(w, 'shape', ()))}")
-    K, N = w.shape
-    return PackedF32(w.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2))
+    return PackedF32(_panel(w))
 
 
 def unpack_f32(w: PackedF32) -> jax.Array:
     """The plain f32 `[K, N]` matrix a `PackedF32` stores."""
-    P, K, _ = w.panels.shape
-    return w.panels.transpose(1, 0, 2).reshape(K, P * PANEL)
+    return _unpanel(w.panels)
+
+
+class PackedInt8(NamedTuple):
+    """An `Int8Weight` with its codes stored as 64-column panels, `panels` int8[N / 64, K, 64] (as `PackedF32`), and
+    the scales f32[N]: `linear` gives exactly the bits it gives for the `Int8Weight`, for any number of rows, reading
+    each panel as one contiguous stream (a draft token's one-row products: 64 contiguous bytes per k instead of runs of
+    64 bytes N bytes apart). A pytree, so jit takes it."""
+
+    panels: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        return (self.panels.shape[1], self.panels.shape[0] * PANEL)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes + self.scale.nbytes
+
+
+def pack_int8(w: Int8Weight) -> PackedInt8:
+    """An `Int8Weight` [K, N] (N a positive multiple of 64) as a `PackedInt8`; ValueError for any other shape."""
+    K, N = w.codes.shape
+    if N == 0 or N % PANEL:
+        raise ValueError(f"pack_int8 needs codes [K, N] with N a positive multiple of {PANEL}, got {w.codes.shape}")
+    return PackedInt8(_panel(w.codes), w.scale)
+
+
+def unpack_int8(w: PackedInt8) -> Int8Weight:
+    """The `Int8Weight` a `PackedInt8` stores."""
+    return Int8Weight(_unpanel(w.panels), w.scale)
+
+
+def _panel(w: jax.Array) -> jax.Array:
+    K, N = w.shape
+    return w.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def _unpanel(panels: jax.Array) -> jax.Array:
+    P, K, _ = panels.shape
+    return panels.transpose(1, 0, 2).reshape(K, P * PANEL)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x @ w. With f32 `x` and a bf16 `w` or an `Int8Weight`: on CPU the native kernel reads the weights as stored
     (`native.matmul.matmul_bf16` / `matmul_int8`); elsewhere a bf16 dot with f32 results (int8 codes are exact in
     bf16), times the scales for int8. f32 `x` and `w` [K, N] with `F32_NATIVE_ROWS` rows: on CPU the native f32 product
-    (a verify block's rows; each row's bits independent of the others); a `PackedF32` gives the same bits as its plain
-    matrix. Anything else: `x @ w` unchanged."""
+    (a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedInt8` gives the same
+    bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
     native_cpu = jax.default_backend() == "cpu" and native.available()
     if isinstance(w, PackedF32):
         if (native_cpu and x.dtype == jnp.float32
@@ -131,6 +172,12 @@ def linear(x: jax.Array, w) -> jax.Array:
 
             return matmul_f32_packed(x, w.panels)
         return x @ unpack_f32(w)  # what the plain matrix would take (a copy: these calls are not the packed ones' use)
+    if isinstance(w, PackedInt8):
+        if native_cpu and x.dtype == jnp.float32:
+            from pallas_kernels.native.matmul import matmul_int8_packed  # noqa: PLC0415 - only where the library built
+
+            return matmul_int8_packed(x, w.panels, w.scale)
+        w = unpack_int8(w)  # what the Int8Weight would take (a copy: these calls are not the packed ones' use)
     if isinstance(w, Int8Weight):
         if native_cpu and x.dtype == jnp.float32:
             from pallas_kernels.native.matmul import matmul_int8  # noqa: PLC0415 - only where the library built

@@ -236,6 +236,18 @@ void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, floa
   if (c < n1) Panel(x, ldx, w, scale, y, M, K, N, c, n1);
 }
 
+// y[:, n0:n1] from the chunks' partial sums parts[c] (each [M, N]): added in chunk order, then times the column's
+// scale.
+void AddChunks(const float* parts, int64_t chunks, const float* scale, float* y, int64_t M, int64_t N, int64_t n0,
+               int64_t n1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float acc = parts[m * N + n];
+      for (int64_t c = 1; c < chunks; ++c) acc += parts[c * M * N + m * N + n];
+      y[m * N + n] = scale ? acc * scale[n] : acc;
+    }
+}
+
 template <typename T>
 ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, const float* scale,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -281,13 +293,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::An
   });
   if (chunks > 1)
     pool.Run(units, [&](int64_t p) {
-      const int64_t n0 = std::min(N, p * runs / units * align), n1 = std::min(N, (p + 1) * runs / units * align);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) {
-          float acc = out[m * N + n];
-          for (int64_t c = 1; c < chunks; ++c) acc += out[c * M * N + m * N + n];
-          yp[m * N + n] = scale ? acc * scale[n] : acc;
-        }
+      AddChunks(out, chunks, scale, yp, M, N, std::min(N, p * runs / units * align),
+                std::min(N, (p + 1) * runs / units * align));
     });
   return ffi::Error::Success();
 }
@@ -311,42 +318,50 @@ ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
   return MatmulImpl<float>(xla_pool, x, w, nullptr, y);
 }
 
-// ------------------------------------------------------------------------------------------------ packed f32 weights
-// w f32[P, K, 64]: panel p holds columns [64p, 64p + 64) of a [K, N = 64P] matrix, its 64 weights of each k contiguous
-// (`pallas_kernels.linear.pack_f32`). A tile then reads its weights as one contiguous stream of K * 256 bytes instead of
-// K runs of 256 bytes N * 4 bytes apart (which the hardware prefetchers follow poorly: a 9-row tile over SmolLM2's
-// [576, 3072] read 5.2-5.9 GB/s strided vs 7.2-8.5 packed on one core). The same chains as `Tile` over the plain
-// matrix (a plain product at k = 0, then one FMA per k in order), so packed and plain weights give the same bits, for
-// any number of rows (one row included: `Panel`'s chain for f32 weights is the same).
-void PackedPanels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+// ------------------------------------------------------------------------------------------------ packed weights
+// w [P, K, 64] (f32, or int8 codes with scale f32[64P]): panel p holds columns [64p, 64p + 64) of a [K, N = 64P]
+// matrix, its 64 weights of each k contiguous (`pallas_kernels.linear.pack_f32` / `pack_int8`). A tile then reads its
+// weights as one contiguous stream instead of K runs of 64 weights N elements apart (which the hardware prefetchers
+// follow poorly: a 9-row tile over SmolLM2's f32 [576, 3072] read 5.2-5.9 GB/s strided vs 7.2-8.5 packed on one core).
+// The same chains as the plain matrix's product (`MatmulImpl`): a plain product at the chunk's first k, then one FMA
+// per k in order, the same k chunks (`KChunks` of the plain shape) added in order, times the column's scale once --
+// so packed and plain weights give the same bits, for any number of rows (one row included).
+template <typename T>
+void PackedPanels(const float* x, int64_t ldx, const T* w, int64_t Kp, int64_t K, const float* scale, float* y,
+                  int64_t N, int64_t M, int64_t p0, int64_t p1) {
   constexpr int64_t kPanel = 64;
   for (int64_t p = p0; p < p1; ++p) {
-    const float* wp = w + p * K * kPanel;
+    const T* wp = w + p * Kp * kPanel;  // the panel at the chunk's first k (w points there for panel 0)
+    const float* sp = scale ? scale + p * kPanel : nullptr;
     float* yp = y + p * kPanel;
     if (K == 0) {
       for (int64_t m = 0; m < M; ++m) std::fill(yp + m * N, yp + m * N + kPanel, 0.0f);
       continue;
     }
+#if KVJAX_AVX2
+    const int64_t ahead = std::clamp<int64_t>(4096 / (kPanel * static_cast<int64_t>(sizeof(T))), 16, 64);
+#endif
 #if KVJAX_AVX512
-    Tiles<kvjax_native::Lanes16, 6, 4>(x, K, K, wp, kPanel, nullptr, yp, N, M, 16);
+    Tiles<kvjax_native::Lanes16, 6, 4>(x, ldx, K, wp, kPanel, sp, yp, N, M, ahead);
 #elif KVJAX_AVX2
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, K, K, wp, kPanel, nullptr, yp, N, M, 16);
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, K, K, wp + 32, kPanel, nullptr, yp + 32, N, M, 16);
+    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, wp, kPanel, sp, yp, N, M, ahead);
+    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, wp + 32, kPanel, sp ? sp + 32 : nullptr, yp + 32, N, M, ahead);
 #else
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < kPanel; ++c) {
-        float acc = x[m * K] * wp[c];
-        for (int64_t k = 1; k < K; ++k) acc = std::fma(x[m * K + k], wp[k * kPanel + c], acc);
-        yp[m * N + c] = acc;
+        float acc = x[m * ldx] * Widen(wp[c]);
+        for (int64_t k = 1; k < K; ++k) acc = std::fma(x[m * ldx + k], Widen(wp[k * kPanel + c]), acc);
+        yp[m * N + c] = sp ? acc * sp[c] : acc;
       }
 #endif
   }
 }
 
-ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::ResultBuffer<ffi::F32> y) {
+template <typename T>
+ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, const float* scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (wd.size() != 3 || wd[2] != 64) return ffi::Error::InvalidArgument("w must be packed f32[P, K, 64]");
+  if (wd.size() != 3 || wd[2] != 64) return ffi::Error::InvalidArgument("w must be packed [P, K, 64]");
   if (xd.size() < 1) return ffi::Error::InvalidArgument("x must have rank >= 1");
   const int64_t P = wd[0], K = wd[1], N = P * 64;
   if (xd[xd.size() - 1] != K) return ffi::Error::InvalidArgument("x's last dimension must equal w's K");
@@ -354,19 +369,45 @@ ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ff
   if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, 64P]");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
   kvjax_native::Workers pool(xla_pool);
+  const int64_t chunks = KChunks(K, N * static_cast<int64_t>(sizeof(T)), sizeof(T));  // the plain shape's chunks
   // units of whole panels, at least two per thread where P allows; rows in groups of kGroupRows (each group a pass
   // over the weights, its tiles' rows sharing each weight load)
-  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(2 * pool.threads(), P / 8));
+  const int64_t want = (2 * pool.threads() + chunks - 1) / chunks;
+  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(want, P / 8));
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-  pool.Run(units * groups, [&](int64_t u) {
-    const int64_t p = u % units, g = u / units;
+  thread_local std::vector<float> parts;  // the calling thread's: workers use `out`, never `parts` itself
+  if (chunks > 1 && static_cast<int64_t>(parts.size()) < chunks * M * N) parts.resize(chunks * M * N);
+  float* out = chunks > 1 ? parts.data() : yp;
+  pool.Run(chunks * units * groups, [&](int64_t u) {
+    const int64_t p = u % units, g = u / units % groups, c = u / (units * groups);
     const int64_t m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
-    PackedPanels(xp + m0 * K, wp, yp + m0 * N, mn, K, N, p * P / units, (p + 1) * P / units);
+    const int64_t k0 = c * K / chunks, k1 = (c + 1) * K / chunks;
+    PackedPanels(xp + m0 * K + k0, K, wp + k0 * 64, K, k1 - k0, chunks > 1 ? nullptr : scale,
+                 out + c * M * N + m0 * N, N, mn, p * P / units, (p + 1) * P / units);
   });
+  if (chunks > 1)
+    pool.Run(units, [&](int64_t p) {
+      AddChunks(out, chunks, scale, yp, M, N, p * P / units * 64, (p + 1) * P / units * 64);
+    });
   return ffi::Error::Success();
+}
+
+ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument("w must be f32");
+  return MatmulPackedImpl<float>(xla_pool, x, w, nullptr, y);
+}
+
+ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("w must be int8");
+  auto wd = w.dimensions(), sd = scale.dimensions();
+  if (wd.size() != 3 || sd.size() != 1 || sd[0] != wd[0] * 64)
+    return ffi::Error::InvalidArgument("scale must be f32[64P] for w [P, K, 64]");
+  return MatmulPackedImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
 }
 
 }  // namespace
@@ -394,5 +435,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32Packed, MatmulF32Packed,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8Packed, MatmulI8Packed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

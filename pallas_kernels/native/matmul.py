@@ -66,15 +66,29 @@ def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     return product(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
+def _packed_call(name: str, target: str, x: jax.Array, panels: jax.Array):
+    if not native.available():
+        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
+    if panels.ndim != 3 or panels.shape[2] != 64 or x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"{name} needs x [..., K] and panels [P, K, 64], got {x.shape} and {panels.shape}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (panels.shape[0] * 64,), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")
+
+
 def matmul_f32_packed(x: jax.Array, panels: jax.Array) -> jax.Array:
     """x f32[..., K] @ w -> f32[..., N] for f32 weights packed in 64-column panels, `panels` f32[N / 64, K, 64]
     (`pallas_kernels.linear.pack_f32`): each output one FMA chain over k in order, the same bits as `matmul_f32` on the
     unpacked `w` for any number of rows. Raises RuntimeError (naming why) where the native library is not available,
     ValueError for mismatched shapes."""
-    if not native.available():
-        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
-    if panels.ndim != 3 or panels.shape[2] != 64 or x.shape[-1] != panels.shape[1]:
-        raise ValueError(f"matmul_f32_packed needs x [..., K] and panels [P, K, 64], got {x.shape} and {panels.shape}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (panels.shape[0] * 64,), jnp.float32)
-    call = jax.ffi.ffi_call(native.MATMUL_F32_PACKED_TARGET, out, vmap_method="broadcast_all")
+    call = _packed_call("matmul_f32_packed", native.MATMUL_F32_PACKED_TARGET, x, panels)
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
+
+
+def matmul_int8_packed(x: jax.Array, panels: jax.Array, scale: jax.Array) -> jax.Array:
+    """(x f32[..., K] @ codes) * scale -> f32[..., N] for int8 codes packed in 64-column panels, `panels`
+    int8[N / 64, K, 64], `scale` f32[N] (`pallas_kernels.linear.pack_int8`): the same bits as `matmul_int8` on the
+    unpacked codes for any number of rows. RuntimeError / ValueError as `matmul_f32_packed`."""
+    call = _packed_call("matmul_int8_packed", native.MATMUL_I8_PACKED_TARGET, x, panels)
+    if scale.shape != (panels.shape[0] * 64,):
+        raise ValueError(f"matmul_int8_packed needs scale [N] = [{panels.shape[0] * 64}], got {scale.shape}")
+    return call(x.astype(jnp.float32), panels.astype(jnp.int8), scale.astype(jnp.float32))

@@ -13,7 +13,7 @@ from kvjax.compress import make_compressor
 from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.remote import prefix_entry as pe
 from pallas_kernels import native
-from pallas_kernels.linear import Int8Weight, dequantize_int8
+from pallas_kernels.linear import Int8Weight, PackedInt8, dequantize_int8, packed_weights_supported, unpack_int8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 draft weights need the native kernel on CPU")
 
@@ -58,9 +58,12 @@ def test_int8_draft_params_are_codes_and_scales_per_output_column(hf_model_dir):
     m = kvjax.load(hf_model_dir("llama")[1])
     d = draft_params(m, "int8")
     assert draft_params(m, "int8") is d and d is not draft_params(m, "bfloat16")  # kept, one copy per kind
-    layer = d["layers"][0]
+    # on CPU with the native kernel, codes whose width is a multiple of 64 are stored in 64-column panels
+    packed = packed_weights_supported()
+    layer = {k: unpack_int8(v) if isinstance(v, PackedInt8) else v for k, v in d["layers"][0].items()}
     for k in ("wqkv", "wo", "w_gate_up", "w_down"):
         assert isinstance(layer[k], Int8Weight) and layer[k].codes.dtype == jnp.int8
+        assert isinstance(d["layers"][0][k], PackedInt8) == (packed and layer[k].shape[1] % 64 == 0), k
     n = m.params["layers"][0]["wq"].shape[1]
     wq = np.asarray(m.params["layers"][0]["wq"])
     np.testing.assert_allclose(np.asarray(dequantize_int8(layer["wqkv"]))[:, :n], wq, rtol=0,

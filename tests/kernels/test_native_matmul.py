@@ -10,8 +10,8 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import native
-from pallas_kernels.linear import (F32_NATIVE_ROWS, Int8Weight, PackedF32, dequantize_int8, pack_f32, quantize_int8,
-                                   unpack_f32)
+from pallas_kernels.linear import (F32_NATIVE_ROWS, Int8Weight, PackedF32, PackedInt8, dequantize_int8, pack_f32,
+                                   pack_int8, quantize_int8, unpack_f32, unpack_int8)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 
@@ -80,7 +80,10 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
                                 platform="cpu")
     jax.ffi.register_ffi_target("kvjax_matmul_packed_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulF32Packed),
                                 platform="cpu")
-    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300), (7, 40, 192)]:
+    jax.ffi.register_ffi_target("kvjax_matmul_int8_packed_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulI8Packed),
+                                platform="cpu")
+    for M, K, N in [(1, 576, 960), (3, 100, 77), (9, 64, 1000), (2, 33, 24), (8, 17, 1543), (33, 70, 300), (7, 40, 192),
+                    (1, 300, 128)]:
         x, w = _case(M, K, N, seed=N)
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, w)) for t in (native.MATMUL_TARGET, "kvjax_matmul_scalar_test"))
@@ -98,6 +101,10 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
             a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p))
                     for t in (native.MATMUL_F32_PACKED_TARGET, "kvjax_matmul_packed_scalar_test"))
             assert np.array_equal(a, b), ("packed", M, K, N)
+            p = pack_int8(q)
+            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p.panels, p.scale))
+                    for t in (native.MATMUL_I8_PACKED_TARGET, "kvjax_matmul_int8_packed_scalar_test"))
+            assert np.array_equal(a, b), ("int8 packed", M, K, N)
 
 
 @pytest.mark.parametrize("M", [1, 3, 9, 33])
@@ -213,3 +220,22 @@ def test_packed_weights_give_the_plain_matrixs_bits_for_any_number_of_rows(K, N)
     with pytest.raises(ValueError, match="panels"):
         matmul_f32_packed(x[:, :K - 1], p.panels)
     assert isinstance(p, PackedF32)
+
+
+@pytest.mark.parametrize("K,N", [(576, 960), (576, 3072), (1536, 576), (300, 128)])
+def test_packed_int8_codes_give_the_int8_weights_bits_for_any_number_of_rows(K, N):
+    """`linear` on a `PackedInt8` equals `linear` on its `Int8Weight` bit for bit (the same k chunks for short rows,
+    576-byte rows here being read in two), one row included; a row's bits do not depend on the other rows."""
+    rng = np.random.default_rng(K * N)
+    q = quantize_int8(jnp.asarray(rng.standard_normal((K, N)), jnp.float32))
+    p = pack_int8(q)
+    assert isinstance(p, PackedInt8) and p.shape == (K, N) and p.nbytes == q.nbytes
+    np.testing.assert_array_equal(np.asarray(unpack_int8(p).codes), np.asarray(q.codes))
+    x = jnp.asarray(rng.standard_normal((70, K)), jnp.float32)
+    whole = np.asarray(pallas_kernels.linear(x, p))
+    for M in (1, 2, 9, 33, 70):
+        a = np.asarray(pallas_kernels.linear(x[:M], p))
+        assert np.array_equal(a, np.asarray(pallas_kernels.linear(x[:M], q))), M
+        assert np.array_equal(a, whole[:M]), M
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_int8(quantize_int8(jnp.ones((4, 100), jnp.float32)))
