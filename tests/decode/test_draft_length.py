@@ -21,7 +21,9 @@ def test_cost_model_prefers_long_drafts_when_they_are_accepted_and_short_ones_wh
     rng = np.random.default_rng(0)
     xs = (2, 4, 8, 16, 32)
     high, low = CostModel(xs), CostModel(xs)
-    _feed(high, 40, 8, 0.97, 1e-3, 8e-3, rng)
+    # verification timed at two lengths, costing the same (a line flat in the rows: long blocks cost no more)
+    _feed(high, 20, 8, 0.97, 1e-3, 8e-3, rng)
+    _feed(high, 20, 16, 0.97, 1e-3, 8e-3, rng)
     _feed(low, 40, 8, 0.3, 1e-3, 8e-3, rng)
     assert high.next(8, 8, 8e-3, 8e-3) >= 16
     assert low.next(8, 0, 8e-3, 8e-3) <= 4
@@ -82,3 +84,19 @@ def test_a_re_selection_is_charged_per_drafted_token_not_to_the_length_that_paid
     assert abs(m.predicted_tokens_per_s(16) - m.expected_emitted(16) / (16 * (d + r) + 0.15)) < 1e-9
     m.next(16, 16, 16 * 20e-3, 0.15, refresh_s=0.5, refreshed_tokens=0)  # no re-selection counted: no change
     assert abs(m.refresh_token_s - 0.002) < 1e-12
+
+
+def test_an_untimed_length_costs_more_verification_the_more_rows_it_verifies():
+    """A length not timed yet is estimated linear in the block's rows, never at a timed neighbour's cost: with only
+    x = 8 timed, x = 16 and 32 cost more (half the time taken as per-row work); with x = 8 and 16 timed, x = 32
+    follows their line and x = 4 sits on it below them."""
+    m = CostModel((4, 8, 16, 32))
+    m.next(8, 8, 8e-3, 1.0)  # compiling round
+    m.next(8, 8, 8e-3, 0.090)
+    v = {x: m._verify_time(x) for x in (4, 8, 16, 32)}
+    assert v[8] == 0.090 and v[4] < v[8] < v[16] < v[32]
+    assert abs(v[32] - 0.090 * (0.5 + 0.5 * 33 / 9)) < 1e-12
+    m.next(16, 16, 16e-3, 1.0)
+    m.next(16, 16, 16e-3, 0.130)
+    assert abs(m._verify_time(32) - (0.130 + 16 * 0.040 / 8)) < 1e-12
+    assert abs(m._verify_time(4) - (0.090 - 4 * 0.040 / 8)) < 1e-12
