@@ -37,18 +37,22 @@ class Model:
 
     def loop_params(self):
         """`params` in the layout the family's one-token loops read (`Family.loop_params`; Llama fuses q/k/v and
-        gate/up into two matrices), made once and kept while `params` holds the same arrays: a replaced weight, even
-        deep inside the tree, makes it again. Pass it wherever `params` goes to a decode loop (`steps.decode`): a loop
-        given the plain layout rebuilds the fused one on every call (SmolLM2-135M: 280 MB of concatenation, ~5 ms per
-        token of a 32-token call). Costs the fused matrices' memory while kept. Without a loop layout: `params`."""
-        return self._layout("loop", self.family.loop_params)
+        gate/up into two matrices), packed for the native products where the family packs (`Family.pack_params`: the
+        same bits), made once and kept while `params` holds the same arrays: a replaced weight, even deep inside the
+        tree, makes it again. Pass it wherever `params` goes to a decode loop (`steps.decode`): a loop given the plain
+        layout rebuilds the fused one on every call (SmolLM2-135M: 280 MB of concatenation, ~5 ms per token of a
+        32-token call). Costs the fused matrices' memory while kept. Without a loop layout: `params` (packed)."""
+        fuse, pack = self.family.loop_params, self.family.pack_params
+        if fuse is None or pack is None:
+            return self._layout("loop", fuse or pack)
+        return self._layout("loop", lambda p: pack(fuse(p)))
 
     def verify_params(self):
-        """`params` in the layout verify-shape forwards read (`Family.verify_params`; Llama on a CPU with the native
-        kernel packs its f32 projections in 64-column panels, `pallas_kernels.linear.PackedF32`): the same bits as
-        `params` for every call, read as contiguous streams. Made once and kept like `loop_params` (costing the packed
-        copy's memory while kept). Without a verify layout: `params`."""
-        return self._layout("verify", self.family.verify_params)
+        """`params` in the layout verify-shape forwards read: packed for the native products where the family packs
+        (`Family.pack_params`; Llama on a CPU with the native kernel stores its f32 projections in 64-column panels,
+        `pallas_kernels.linear.PackedF32`), the same bits as `params` for every call, read as contiguous streams. Made
+        once and kept like `loop_params` (costing the packed copy's memory while kept). Without packing: `params`."""
+        return self._layout("verify", self.family.pack_params)
 
     def _layout(self, name: str, make):
         if make is None:

@@ -62,10 +62,12 @@ def bf16_weights_supported() -> tuple[bool, str]:
     return False, f"the native CPU kernel is not available ({native.status()['reason']})"
 
 
-# f32 weights: calls of this many rows (inclusive) take the native product's register tiles on CPU (`native/matmul.cc`);
-# one row (decode) and prefill chunks keep XLA's dot. Measured, SmolLM2's verify at 8K in one process: 9 and 17 rows
-# 0.90-0.93x XLA's time.
-F32_NATIVE_ROWS = (2, 64)
+# f32 weights: calls of this many rows (inclusive) take the native product on CPU (`native/matmul.cc`: one row a
+# streaming panel, 2-64 rows register tiles); prefill chunks keep XLA's dot. Measured in one process, SmolLM2's 120
+# products of a step as a dependent chain: 1 row 23.2 ms vs XLA's 25.2 (packed 22.0), 9 rows 43.6 vs 60.8 (packed
+# 31.5); the decode step with the packed loop layout 44.2 vs 49.0 ms (same tokens). One bound for both layouts keeps
+# `PackedF32` giving the plain matrix's bits.
+F32_NATIVE_ROWS = (1, 64)
 
 PANEL = 64  # columns per panel of a `PackedF32`
 
@@ -162,8 +164,8 @@ def linear(x: jax.Array, w) -> jax.Array:
     """x @ w. With f32 `x` and a bf16 `w` or an `Int8Weight`: on CPU the native kernel reads the weights as stored
     (`native.matmul.matmul_bf16` / `matmul_int8`); elsewhere a bf16 dot with f32 results (int8 codes are exact in
     bf16), times the scales for int8. f32 `x` and `w` [K, N] with `F32_NATIVE_ROWS` rows: on CPU the native f32 product
-    (a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedInt8` gives the same
-    bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
+    (a decode row, a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedInt8`
+    gives the same bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
     native_cpu = jax.default_backend() == "cpu" and native.available()
     if isinstance(w, PackedF32):
         if (native_cpu and x.dtype == jnp.float32

@@ -41,8 +41,9 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
 - tensor parallelism: `shard_params(params, config, mesh, *, vocab=None) -> params` placed on a ("dp", "tp") mesh.
 - loops: optionally `loop_params(params) -> params` — the layout the one-token loops (decode, drafting) read, made
   once per call before the loop (Llama fuses its projections: fewer, larger matmuls per step); optionally
-  `verify_params(params) -> params` — the layout verify-shape forwards read, giving the same bits as `params` (Llama
-  packs its f32 projections for the CPU's native tiles); `Model.loop_params()` / `Model.verify_params()` keep them.
+  `pack_params(params) -> params` — the layout the native products read, giving the same bits as `params` (Llama
+  packs its f32 projections for the CPU's native tiles). `Model.loop_params()` keeps the fused layout packed,
+  `Model.verify_params()` the plain one packed (what verify-shape forwards read).
 - the prefix cache: `prefix_layout(config, dtype, block_size) -> BlockLayout`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family
@@ -92,7 +93,7 @@ class Family:
     check_draft_len: Callable[..., Any] | None = None
     shard_params: Callable[..., Any] | None = None
     loop_params: Callable[..., Any] | None = None
-    verify_params: Callable[..., Any] | None = None
+    pack_params: Callable[..., Any] | None = None
     default_compressor: str = "streaming"  # the draft maker used when none is named (chosen by measurement)
     # () -> its fields when none are given for it (None: the compressor's own defaults); a function because the best
     # setting depends on what the kernels here read directly (e.g. bf16 drafts)

@@ -80,5 +80,5 @@ LLAMA = Family(
     prefix_layout=LlamaBlockLayout,
     shard_params=sharding.shard_params,
     loop_params=fuse_projections,
-    verify_params=pack_projections,
+    pack_params=pack_projections,
 )

@@ -11,8 +11,9 @@
 // weight). Here each weight is read once as bf16 and widened in registers (bf16 -> f32 is exact: a 16-bit shift).
 // int8 codes: a quarter of f32's bytes, widened the same way (int8 -> f32 is exact); the column's scale multiplies
 // the finished sum once. SmolLM2's draft token (8K, refresh): 26.6 -> 20.1 ms with int8 instead of bf16 weights.
-// f32 weights: a verify block's 2-64 rows (`pallas_kernels.linear.F32_NATIVE_ROWS`), by register tiles (below):
-// SmolLM2's verify at 8K, one process against XLA's dot: 9 rows 0.90-0.93x, 17 rows 0.91-0.93x its time.
+// f32 weights: a decode step's row and a verify block's 2-64 rows (`pallas_kernels.linear.F32_NATIVE_ROWS`), the
+// latter by register tiles (below): SmolLM2's verify at 8K, one process against XLA's dot: 9 rows 0.90-0.93x, 17 rows
+// 0.91-0.93x its time. Weights packed in 64-column panels (`MatmulPackedImpl`, below) are read faster still.
 //
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a

@@ -1,8 +1,9 @@
 """The native products for a few rows (`matmul.cc`): y f32[..., N] = x f32[..., K] @ w[K, N] with bf16 weights (each
 read once as bf16 and widened in registers; XLA:CPU would first convert `w` to an f32 copy), int8 codes with a scale per
-output column (`matmul_int8`, the same loop, a quarter of f32's bytes) or f32 weights (`matmul_f32`: what a verify
-block's 2-64 rows multiply by on CPU, `pallas_kernels.linear.F32_NATIVE_ROWS`; register tiles of up to 6 rows x 64
-columns, 0.90-0.93x XLA:CPU's time inside SmolLM2's 9- and 17-row verify steps)."""
+output column (`matmul_int8`, the same loop, a quarter of f32's bytes) or f32 weights (`matmul_f32`: what a decode
+step's row and a verify block's 2-64 rows multiply by on CPU, `pallas_kernels.linear.F32_NATIVE_ROWS`; register tiles
+of up to 6 rows x 64 columns, 0.90-0.93x XLA:CPU's time inside SmolLM2's 9- and 17-row verify steps); and f32 weights or
+int8 codes packed in 64-column panels (`matmul_f32_packed`, `matmul_int8_packed`: the same bits, contiguous streams)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.decode import steps
+from pallas_kernels.linear import PackedF32, packed_weights_supported, unpack_f32
 from tests.builders import toy_model
 
 
@@ -23,6 +24,7 @@ def test_loop_params_are_kept_remade_on_a_changed_weight_and_decode_like_the_pla
     model = toy_model()
     fused = model.loop_params()
     assert "wqkv" in fused["layers"][0] and "wq" in model.params["layers"][0]  # the model's own layout is untouched
+    assert isinstance(fused["layers"][0]["w_gate_up"], PackedF32) == packed_weights_supported()
     assert model.loop_params() is fused  # kept
     prompt = np.arange(1, 12, dtype=np.int32)
     np.testing.assert_array_equal(_decode(model, fused, prompt), _decode(model, model.params, prompt))
@@ -30,7 +32,8 @@ def test_loop_params_are_kept_remade_on_a_changed_weight_and_decode_like_the_pla
     model.params["layers"][0]["wk"] = model.params["layers"][0]["wk"] * 1.5
     again = model.loop_params()
     assert again is not fused
-    np.testing.assert_array_equal(np.asarray(again["layers"][0]["wqkv"][:, model.config.num_heads *
-                                                                         model.config.head_dim:][:, :8]),
+    wqkv = again["layers"][0]["wqkv"]  # packed in 64-column panels where the native products read them
+    wqkv = unpack_f32(wqkv) if isinstance(wqkv, PackedF32) else wqkv
+    np.testing.assert_array_equal(np.asarray(wqkv[:, model.config.num_heads * model.config.head_dim:][:, :8]),
                                   np.asarray(model.params["layers"][0]["wk"][:, :8]))
     np.testing.assert_array_equal(_decode(model, again, prompt), _decode(model, model.params, prompt))

@@ -33,7 +33,7 @@ def test_verify_params_pack_what_they_can_are_kept_remade_and_verify_with_the_pl
     assert isinstance(layer["wk"], jax.Array) and not isinstance(plain["wq"], PackedF32)  # the model's own layout kept
     np.testing.assert_array_equal(np.asarray(unpack_f32(layer["w_up"])), np.asarray(plain["w_up"]))
     assert model.verify_params() is packed  # kept
-    for T in (1, 2, 5, 9):  # one row (XLA's dot on both) and the native tiles' rows
+    for T in (1, 2, 5, 9):  # a decode-sized block and the register tiles' rows
         np.testing.assert_array_equal(_verify_logits(model, packed, T), _verify_logits(model, model.params, T))
     model.params["layers"][1]["w_down"] = model.params["layers"][1]["w_down"] * 1.5  # replaced deep in the tree
     again = model.verify_params()
