@@ -1,6 +1,6 @@
 """The runtime part of a cache namespace: what computes the keys and values besides the weights — the kernel ABI,
-the attention implementation, the mesh the params are partitioned over, device kind and platform, jax and jaxlib
-versions. Two hosts that differ in any of these do not compute bit-identical keys and values, so a store they share
+the attention implementation, the native CPU kernels (their sources' digest and the products they take), the mesh the
+params are partitioned over, device kind and platform, jax and jaxlib versions. Two hosts that differ in any of these do not compute bit-identical keys and values, so a store they share
 must never hand one's entries to the other."""
 
 from __future__ import annotations
@@ -43,7 +43,19 @@ def _process_fields() -> dict[str, str]:
 
     dev = jax.devices()[0]
     return dict(kernel_abi=KERNEL_ABI, device_kind=str(dev.device_kind), platform=str(dev.platform),
-                jax=jax.__version__, jaxlib=jaxlib.__version__)
+                jax=jax.__version__, jaxlib=jaxlib.__version__, native=native_field())
+
+
+def native_field() -> str:
+    """Which native CPU kernels compute here: "none", or their sources' digest and the rows of f32 products they take
+    (`pallas_kernels.linear.F32_NATIVE_ROWS`): a decode or verify step's products and attention run them, so a change
+    to either changes the keys and values a host writes."""
+    from pallas_kernels import native
+    from pallas_kernels.linear import F32_NATIVE_ROWS
+
+    if jax.default_backend() != "cpu" or not native.available():
+        return "none"
+    return f"{native.source_digest()}:f32-rows-{F32_NATIVE_ROWS[0]}-{F32_NATIVE_ROWS[1]}"
 
 
 def runtime_fields(params, attention: str | None = None) -> dict[str, str]:

@@ -167,6 +167,14 @@ def set_pool(choice: str) -> None:
     _handles[-1].kvjax_native_set_pool(ctypes.c_int(0 if choice == "xla" else 1))
 
 
+def source_digest() -> str:
+    """A digest of the library's sources (what defines every native kernel's arithmetic, whatever compiler, flags or
+    CPU built it: the vector and scalar builds give the same bits): part of a cache entry's identity where the native
+    kernels computed its keys and values (`kvjax.prefix.runtime_identity`)."""
+    texts = [p.read_text() for p in SOURCES + HEADERS]
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
+
+
 def available() -> bool:
     """Whether the native kernel is built and registered (builds it on the first call)."""
     return status()["ok"]

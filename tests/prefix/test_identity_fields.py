@@ -12,6 +12,7 @@ import pytest
 
 import pallas_kernels
 from kvjax.errors import InputError
+from kvjax.prefix import runtime_identity
 from kvjax.prefix.runtime_identity import KERNEL_ABI
 from kvjax.prefix.prefill import model_namespace
 from kvjax.remote import prefix_entry as pe
@@ -50,6 +51,8 @@ def test_runtime_fields_are_part_of_the_namespace(model, make_cache):
         assert rep["device_kind"] == jax.devices()[0].device_kind and rep["platform"] == jax.devices()[0].platform
         assert rep["jax"] == jax.__version__ and rep["jaxlib"] == jaxlib.__version__
         assert rep["mesh"] == "single-device"
+        assert rep["native"] == runtime_identity.native_field()
+        assert (rep["native"] == "none") == (not pallas_kernels.native.available())
 
 
 def test_sharded_params_name_their_mesh(model, make_cache):
