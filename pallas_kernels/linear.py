@@ -69,7 +69,7 @@ def bf16_weights_supported() -> tuple[bool, str]:
 # `PackedF32` giving the plain matrix's bits.
 F32_NATIVE_ROWS = (1, 64)
 
-PANEL = 64  # columns per panel of a `PackedF32`
+PANEL = 64  # columns per panel of a `PackedF32` / `PackedInt8`
 
 
 class PackedF32(NamedTuple):

@@ -156,6 +156,7 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
         if dc is not vdraft:
             del dc
 
+    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
     for x in (8, 32):
         drafts = jnp.zeros((1, x), jnp.int32)
         qlog = jnp.zeros((1, 1, config.vocab_size), jnp.float32)
@@ -168,7 +169,7 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
             fresh = copy(full)
             jax.block_until_ready(fresh)
             t0 = time.perf_counter()
-            out = verify_mod.verify_step(model.verify_params(), config, fresh, state["dc"], first, drafts, qlog, seed,
+            out = verify_mod.verify_step(vparams, config, fresh, state["dc"], first, drafts, qlog, seed,
                                          family=family, impl=impl)
             jax.block_until_ready(out[0])
             state["dc"] = out[3]

@@ -54,8 +54,9 @@ def reference(model, prefilled, M: int, x: int) -> np.ndarray:
     full = offl.fetch(full)
     seed = jnp.zeros((1,), jnp.int32)
     tok, out = first, [int(first[0])]
+    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
     for _ in range(M - 1):
-        tok, _, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
+        tok, _, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x,
                                          family=model.family, impl=model.attention)
         out.append(int(tok[0]))
     return np.asarray(out, np.int32)

@@ -51,13 +51,15 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
     def copy():
         return jax.block_until_ready(jax.tree.map(jnp.copy, full))
 
+    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+
     def verify_ms(x, impl):
         drafts = jnp.zeros((1, x), jnp.int32)
         times = []
         for _ in range(4):
             c = copy()
             t0 = time.perf_counter()
-            jax.block_until_ready(verify_mod.verify_step(model.verify_params(), cfg, c, None, first, drafts, qlog, seed,
+            jax.block_until_ready(verify_mod.verify_step(vparams, cfg, c, None, first, drafts, qlog, seed,
                                                          family=fam, impl=impl)[0])
             times.append(time.perf_counter() - t0)
         return min(times[1:]) * 1e3  # the first call compiles

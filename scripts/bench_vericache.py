@@ -75,8 +75,9 @@ def reference(model, full, first, M, x):
     seed = jnp.zeros((1,), jnp.int32)
     tok, out, margins = first, [int(first[0])], []
     t = time.perf_counter()
+    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
     for _ in range(M - 1):
-        tok, row, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
+        tok, row, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x,
                                            family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         top = jax.lax.top_k(row[0], 2)[0]

@@ -297,8 +297,9 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     logits, full = steps.prefill(model, full, prompt)
     tok = first_token(logits, prompt.size, seed_a, temperature)
     out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
+    vparams = model.verify_params()  # the layout VeriCache verifies with (the same bits as `model.params`)
     for _ in range(max_new_tokens - 1):
-        tok, row, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed_a, x=draft_len,
+        tok, row, full, _ = reference_step(vparams, model.config, full, tok, seed_a, x=draft_len,
                                         temperature=temperature, family=model.family, impl=model.attention)
         out.append(int(tok[0]))
         if return_margins:

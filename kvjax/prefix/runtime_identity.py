@@ -1,7 +1,7 @@
 """The runtime part of a cache namespace: what computes the keys and values besides the weights — the kernel ABI,
 the attention implementation, the native CPU kernels (their sources' digest and the products they take), the mesh the
-params are partitioned over, device kind and platform, jax and jaxlib versions. Two hosts that differ in any of these do not compute bit-identical keys and values, so a store they share
-must never hand one's entries to the other."""
+params are partitioned over, device kind and platform, jax and jaxlib versions. Two hosts that differ in any of these
+do not compute bit-identical keys and values, so a store they share must never hand one's entries to the other."""
 
 from __future__ import annotations
 

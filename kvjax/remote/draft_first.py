@@ -122,9 +122,10 @@ def _decode_full(model, full, first, M, decoder: str, x: int, prompt):
         return np.asarray(out + [int(t) for t in np.asarray(rest[0])], np.int32), {}
     if decoder == "reference":
         tok, seed = first, jnp.zeros((1,), jnp.int32)
+        vparams = model.verify_params()
         for _ in range(M - 1):
-            tok, _, full, _ = reference_step(model.verify_params(), model.config, full, tok, seed, x=x,
-                                             family=model.family, impl=model.attention)
+            tok, _, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x, family=model.family,
+                                             impl=model.attention)
             out.append(int(tok[0]))
         return np.asarray(out, np.int32), {}
     if decoder.startswith("vericache"):
@@ -249,7 +250,8 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
         drafted_ahead, accepted_ahead, verifications, mean_accepted_per_round, layer_arrival_s, reasons.
     """
     t0 = time.perf_counter()
-    params, config = model.params, model.config
+    config = model.config
+    vparams = model.verify_params()  # what verification reads (the same bits as `model.params`)
     M, x = max_new_tokens, draft_len
     vc.check_draft_len(model, x)
     ns = namespace or pe.prefix_namespace(model)
@@ -326,7 +328,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             drafts, _, dcache = draft_mod.draft_step(dparams, config, dcache, last, seed, x=x, family=model.family,
                                                      impl=model.attention)
         emitted, n, full, dcache, _, _ = verify_mod.verify_step(
-            model.verify_params(), config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
+            vparams, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
             family=model.family, impl=model.attention)
         n = int(n[0])
         new = [int(t) for t in np.asarray(emitted[0, :n + 1])]
