@@ -167,9 +167,11 @@ def linear(x: jax.Array, w) -> jax.Array:
     (a decode row, a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedInt8`
     gives the same bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
     native_cpu = jax.default_backend() == "cpu" and native.available()
+    # the calls of f32 weights the native product takes: one predicate for plain and packed weights (the same bits)
+    f32_native = (native_cpu and x.dtype == jnp.float32
+                  and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1])
     if isinstance(w, PackedF32):
-        if (native_cpu and x.dtype == jnp.float32
-                and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1]):
+        if f32_native:
             from pallas_kernels.native.matmul import matmul_f32_packed  # noqa: PLC0415 - only where the library built
 
             return matmul_f32_packed(x, w.panels)
@@ -187,8 +189,7 @@ def linear(x: jax.Array, w) -> jax.Array:
             return matmul_int8(x, w.codes, w.scale)
         y = jnp.dot(x.astype(jnp.bfloat16), w.codes.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return y * w.scale
-    if (native_cpu and w.dtype == jnp.float32 and x.dtype == jnp.float32 and w.ndim == 2
-            and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1]):
+    if f32_native and w.dtype == jnp.float32 and w.ndim == 2:
         from pallas_kernels.native.matmul import matmul_f32  # noqa: PLC0415 - only where the library built
 
         return matmul_f32(x, w)

@@ -108,8 +108,8 @@ def _build() -> dict:
     except (OSError, subprocess.SubprocessError) as e:
         return dict(ok=False, reason=f"{cxx} --version failed: {e}")
     errors = []
+    texts = _source_texts()
     for flags in FLAG_SETS:
-        texts = [p.read_text() for p in SOURCES + HEADERS]
         key = hashlib.sha256("\0".join([*texts, jax.__version__, jax.lib.__version__, cxx, version, " ".join(flags),
                                         _cpu_fingerprint()]).encode()).hexdigest()[:20]
         lib = _cache_dir() / f"kvjax_attention_{key}.so"
@@ -171,8 +171,11 @@ def source_digest() -> str:
     """A digest of the library's sources (what defines every native kernel's arithmetic, whatever compiler, flags or
     CPU built it: the vector and scalar builds give the same bits): part of a cache entry's identity where the native
     kernels computed its keys and values (`kvjax.prefix.runtime_identity`)."""
-    texts = [p.read_text() for p in SOURCES + HEADERS]
-    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join(_source_texts()).encode()).hexdigest()[:16]
+
+
+def _source_texts() -> list[str]:
+    return [p.read_text() for p in SOURCES + HEADERS]
 
 
 def available() -> bool:

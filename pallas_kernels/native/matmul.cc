@@ -411,37 +411,20 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
   return MatmulPackedImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
 }
 
+// The handlers' bindings: x f32 and w (its dtype checked by each handler) to y f32, and with a scale f32[N] for int8.
+auto ProductBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+auto ScaledProductBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulBf16, MatmulBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8, MatmulI8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32, MatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32Packed, MatmulF32Packed,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8Packed, MatmulI8Packed,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulBf16, MatmulBf16, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8, MatmulI8, ScaledProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32, MatmulF32, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32Packed, MatmulF32Packed, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8Packed, MatmulI8Packed, ScaledProductBinding());

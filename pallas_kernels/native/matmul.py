@@ -13,15 +13,32 @@ import jax.numpy as jnp
 from pallas_kernels import native
 
 
+def _require() -> None:
+    """RuntimeError (naming why) where the native library is not available."""
+    if not native.available():
+        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
+
+
+def _call(target: str, x: jax.Array, n: int):
+    """The custom call `target` giving f32[..., n] for x [..., K]."""
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32), vmap_method="broadcast_all")
+
+
 def _product_call(name: str, target: str, x: jax.Array, w: jax.Array):
     """The checked custom call of `name` (`target`): RuntimeError where the library is not available, ValueError for
     shapes other than x [..., K], w [K, N]."""
-    if not native.available():
-        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
+    _require()
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"{name} needs x [..., K] and w [K, N], got {x.shape} and {w.shape}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")
+    return _call(target, x, w.shape[1])
+
+
+def _packed_call(name: str, target: str, x: jax.Array, panels: jax.Array):
+    """`_product_call` for weights packed in 64-column panels, `panels` [P, K, 64] (N = 64P)."""
+    _require()
+    if panels.ndim != 3 or panels.shape[2] != 64 or x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"{name} needs x [..., K] and panels [P, K, 64], got {x.shape} and {panels.shape}")
+    return _call(target, x, panels.shape[0] * 64)
 
 
 def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -65,15 +82,6 @@ def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
 
     product.defvjp(fwd, bwd)
     return product(x.astype(jnp.float32), w.astype(jnp.float32))
-
-
-def _packed_call(name: str, target: str, x: jax.Array, panels: jax.Array):
-    if not native.available():
-        raise RuntimeError(f"the native matmul kernel is not available: {native.status()['reason']}")
-    if panels.ndim != 3 or panels.shape[2] != 64 or x.shape[-1] != panels.shape[1]:
-        raise ValueError(f"{name} needs x [..., K] and panels [P, K, 64], got {x.shape} and {panels.shape}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (panels.shape[0] * 64,), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")
 
 
 def matmul_f32_packed(x: jax.Array, panels: jax.Array) -> jax.Array:
