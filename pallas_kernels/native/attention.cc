@@ -754,16 +754,22 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
   }
 }
 
-// Keys per segment: a row's keys are taken in segments of this many (whole blocks), each segment's statistics
-// computed on its own, then merged in segment order (`MergeSegments`). The segments depend only on the cache's
-// capacity and the block, never on the rows in the call or the threads, so a row's arithmetic is still fixed by the
-// shape; a cache of at most this many slots is one segment (the plain online softmax over every block in order).
+// Keys per segment: a row's keys are taken in segments of whole blocks, each segment's statistics computed on its own,
+// then merged in segment order (`MergeSegments`). The segments depend only on the cache's capacity and the block,
+// never on the rows in the call or the threads, so a row's arithmetic is still fixed by the shape; a cache of at most
+// kMinSegmentKeys slots is one segment (the plain online softmax over every block in order).
 // Why: one decode row attends each KV head's whole cache; SmolLM2's 3 KV heads on 2 threads left one thread two
 // heads' keys (a third of the time the other idled) at one core's bandwidth. Segments give every thread an equal
-// share of the keys (flash-decoding's split-K, with a fixed split).
-constexpr int64_t kSegmentKeys = 2048;
+// share of the keys (flash-decoding's split-K, with a fixed split). Half the capacity, within [1024, 2048] keys: a
+// draft's kept part (SmolLM2's 2,016 bf16 slots per head) then takes two segments, not one (its 30 layers as a chain:
+// 0.83x the time; 0.77x with its recent ring), while a long full cache keeps 2,048-key segments (1,024 ran SmolLM2's
+// 8K decode 1.02x and its 9-row verify 1.04x slower: more segments to merge per row).
+constexpr int64_t kMinSegmentKeys = 1024, kMaxSegmentKeys = 2048;
 
-inline int64_t SegmentBlocks(int64_t block) { return std::max<int64_t>(1, kSegmentKeys / std::max<int64_t>(block, 1)); }
+inline int64_t SegmentBlocks(int64_t block, int64_t capacity) {
+  const int64_t keys = std::clamp<int64_t>(capacity / 2, kMinSegmentKeys, kMaxSegmentKeys);
+  return std::max<int64_t>(1, keys / std::max<int64_t>(block, 1));
+}
 
 // out[qi] from the segments' statistics, in segment order: m the largest m_s; l and o each one FMA chain over the
 // segments of (l_s, o_s) x exp(m_s - m) (an empty segment has m_s = M_INIT and l_s = o_s = 0: it adds exactly 0, and
@@ -839,7 +845,7 @@ ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::An
   // (memory-bound: every unit of a tile reads and transposes all its keys, so splitting its rows would read them
   // once per thread -- measured at SmolLM2's 3 KV heads, 1 row: 1.3x slower split); otherwise row ranges too.
   // (Which thread runs a row never changes its arithmetic.)
-  const int64_t nblocks = (P.S + P.block - 1) / P.block, segb = SegmentBlocks(P.block);
+  const int64_t nblocks = (P.S + P.block - 1) / P.block, segb = SegmentBlocks(P.block, P.S);
   const int64_t nseg = (nblocks + segb - 1) / segb;
   const int64_t chunks =
       (nseg > 1 || tiles % threads == 0 || rows < kSplitMinRows) ? 1 : std::min<int64_t>(threads, rows);

@@ -48,16 +48,18 @@ inline int64_t PanelColumns(int64_t rows) {
   return std::clamp<int64_t>(6144 / std::max<int64_t>(rows, 1) / 32 * 32, 32, 4096);
 }
 
-// Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): bf16 and int8
-// weight rows (what one-row drafts read) shorter than kContiguousBytes are read in k chunks of at least kChunkRows
-// rows, each a contiguous block of whole rows, rather than in column panels of a few hundred bytes per row 4 KiB apart
-// (a panel's short runs per row streamed at ~10 GB/s where whole rows stream at ~15: SmolLM2's int8 [576, 3072] and
-// [1536, 576] products, one row).
+// Chunks of k, from the shape alone (never the thread count, so the bits do not depend on the machine): bf16 weight
+// rows (what one-row bf16 drafts read) shorter than kContiguousBytes are read in k chunks of at least kChunkRows rows,
+// each a contiguous block of whole rows, rather than in column panels of a few hundred bytes per row 4 KiB apart (a
+// panel's short runs per row streamed at ~10 GB/s where whole rows stream at ~15: SmolLM2's [576, 3072] and
+// [1536, 576] products, one row). int8 codes take one chain over all of k: where the native kernel runs they are
+// packed (`PackedInt8`, contiguous panels), and the chunks' second pass (adding their sums) cost more than it saved
+// there (a draft token's 121 packed products as a chain: 7.39 vs 7.92 ms); plain codes keep the packed ones' chains.
 constexpr int64_t kContiguousBytes = 8192;
 constexpr int64_t kChunkRows = 128;
 constexpr int64_t kMaxChunks = 2;
 inline int64_t KChunks(int64_t K, int64_t row_bytes, int64_t elem_bytes) {
-  if (row_bytes >= kContiguousBytes || elem_bytes >= 4) return 1;
+  if (row_bytes >= kContiguousBytes || elem_bytes != 2) return 1;
   return std::clamp<int64_t>(K / kChunkRows, 1, kMaxChunks);
 }
 

@@ -224,8 +224,8 @@ def test_packed_weights_give_the_plain_matrixs_bits_for_any_number_of_rows(K, N)
 
 @pytest.mark.parametrize("K,N", [(576, 960), (576, 3072), (1536, 576), (300, 128)])
 def test_packed_int8_codes_give_the_int8_weights_bits_for_any_number_of_rows(K, N):
-    """`linear` on a `PackedInt8` equals `linear` on its `Int8Weight` bit for bit (the same k chunks for short rows,
-    576-byte rows here being read in two), one row included; a row's bits do not depend on the other rows."""
+    """`linear` on a `PackedInt8` equals `linear` on its `Int8Weight` bit for bit (the same chains: one over all of k),
+    one row included; a row's bits do not depend on the other rows."""
     rng = np.random.default_rng(K * N)
     q = quantize_int8(jnp.asarray(rng.standard_normal((K, N)), jnp.float32))
     p = pack_int8(q)
