@@ -546,6 +546,13 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
     shifted(c, oc);
     PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
   }
+  // 32 columns per tile where 64 do not fit (D = 32: the tiny model's heads): each p[r][j] broadcast once for both
+  // registers (one register per tile loaded a value and broadcast a probability per FMA: the tiny model's 9-row verify
+  // at 32K spent over a quarter of its attention here)
+  for (; c + 4 <= C; c += 4) {
+    shifted(c, oc);
+    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+  }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
     PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
