@@ -10,16 +10,16 @@
 // sinks); a row that sees nothing keeps m = finfo(f32).min, l = 0, o = 0.
 //
 // Tiling: one (batch, kv head) is a tile; its T * G query rows run against one key block of BLOCK keys at a time, in
-// chunks of up to 96 rows. Scores are GEMM-style: a panel of 64 keys (32 at D > 32) is transposed into L1 as
-// kT[d][key] (8x8 AVX2 transposes; a ragged block's last keys padded with zeros, their scores masked), and register
-// tiles of R rows x V vectors of 8 keys (6 x 2 ... 1 x 4, <= 12 accumulators) accumulate broadcast(q[row][d]) *
-// kT[d][keys] -- no horizontal reduction -- with the mask and the per-row lane maxima fused into the tile's end (no
+// chunks of up to 96 rows. Scores are GEMM-style: a panel of 64 keys (32 at D > 32) is transposed into L1 as kT[d][key]
+// (16x16 AVX-512 or 8x8 AVX2 transposes; a ragged block's last keys padded with zeros, their scores masked), and
+// register tiles of R rows x V vectors of 8 keys (6 x 2 ... 1 x 4, <= 12 accumulators) accumulate broadcast(q[row][d])
+// * kT[d][keys] -- no horizontal reduction -- with the mask and the per-row lane maxima fused into the tile's end (no
 // mask at all for a row that sees every key of a fully occupied block). Then per row: exp(s - m) and its sum over the
-// block; then p.V in register tiles of up to 6 rows x 2 (or 4) vectors of columns over 8 KiB sub-blocks of values,
-// each value load shared by the tile's rows. The next block's keys and values are prefetched into L2 during the
-// current block. The chunk's scores (96 x BLOCK floats) and the block stay in L2. Blocks past the last occupied slot
-// are never read, and a block none of whose keys a row can see is skipped for that row after reading only its
-// positions (the per-block min/max position).
+// block; then p.V in register tiles of up to 6 rows x 2 (or 4) vectors of columns over 8 KiB sub-blocks of values, each
+// value load shared by the tile's rows. The next block's keys and values are prefetched into L2 during the current
+// block. The chunk's scores (96 x BLOCK floats) and the block stay in L2. Blocks past the last occupied slot are never
+// read, and a block none of whose keys a row can see is skipped for that row after reading only its positions (the
+// per-block min/max position).
 //
 // Exactness: every (row, key) score is ONE chain over d in order -- q[0] * k[0], then fma(q[d], k[d], .) for
 // d = 1..D-1, then * scale -- whatever tile, panel or chunk the row lands in; exponentials and their sum are per row
