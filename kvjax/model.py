@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from kvjax.arrays import jnp_dtype, tree_identity
+from pallas_kernels.linear import packed_weights_supported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,16 @@ class Model:
         return self._layout("loop", lambda p: pack(fuse(p)))
 
     def verify_params(self):
-        """`params` in the layout verify-shape forwards read: packed for the native products where the family packs
-        (`Family.pack_params`; Llama on a CPU with the native kernel stores its f32 projections in 64-column panels,
-        `pallas_kernels.linear.PackedF32`), the same bits as `params` for every call, read as contiguous streams. Made
-        once and kept like `loop_params` (costing the packed copy's memory while kept). Without packing: `params`."""
-        return self._layout("verify", self.family.pack_params)
+        """`params` in the layout verify-shape forwards read. Where the family packs for the native products
+        (`Family.pack_params`; Llama on a CPU with the native kernel, `pallas_kernels.linear.PackedF32`) that is the
+        loops' layout itself (`loop_params`: fused and packed), so the model keeps one extra copy of its projections,
+        not two: the native product computes each output column as one FMA chain over k whatever matrix it sits in, so
+        fused and plain, packed and unpacked give the same bits at the rows it takes (`F32_NATIVE_ROWS`: every verify
+        block of x <= 63). Larger blocks take XLA's dot of the fused matrices, as VeriCache's verification and its
+        reference decoder both do. Elsewhere (no packing, or a GPU/TPU): `params`."""
+        if self.family.pack_params is None or not packed_weights_supported():
+            return self.params
+        return self.loop_params()
 
     def _layout(self, name: str, make):
         if make is None:
@@ -63,7 +69,9 @@ class Model:
         hit = self._loop.get(name)
         if hit is not None and hit[0] == key:
             return hit[2]
-        made = jax.jit(make)(self.params)
+        # eagerly, not under jax.jit: a jitted call returns the leaves it passes through (the embedding, the norms) as
+        # new buffers, a second copy of them per layout (SmolLM2: 113 MB of embedding); eagerly they stay shared
+        made = make(self.params)
         self._loop[name] = (key, leaves, made)
         return made
 

@@ -1,5 +1,6 @@
-"""`Model.verify_params`: the verify-shape forwards' layout (Llama on a CPU with the native kernel: f32 projections
-packed in 64-column panels) made once, remade when a weight changes, and giving the plain layout's bits exactly."""
+"""`Model.verify_params`: the verify-shape forwards' layout (Llama on a CPU with the native kernel: the loops' fused
+f32 projections packed in 64-column panels, one copy for both) made once, remade when a weight changes, and giving the
+plain layout's bits exactly."""
 
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ def _verify_logits(model, params, T):
     return np.asarray(logits)
 
 
-def test_verify_params_pack_what_they_can_are_kept_remade_and_verify_with_the_plain_layouts_bits():
-    model = toy_model()  # hidden 64: q/o/gate/up/down are 64-column multiples; k/v (32 columns) stay plain
+def test_verify_params_are_the_loops_packed_copy_kept_remade_and_verify_with_the_plain_layouts_bits():
+    model = toy_model()  # hidden 64: every fused projection is a 64-column multiple
     packed = model.verify_params()
+    assert packed is model.loop_params()  # one copy for verification and the loops
     layer, plain = packed["layers"][0], model.params["layers"][0]
-    assert all(isinstance(layer[k], PackedF32) for k in ("wq", "wo", "w_gate", "w_up", "w_down"))
-    assert isinstance(layer["wk"], jax.Array) and not isinstance(plain["wq"], PackedF32)  # the model's own layout kept
-    np.testing.assert_array_equal(np.asarray(unpack_f32(layer["w_up"])), np.asarray(plain["w_up"]))
+    assert all(isinstance(layer[k], PackedF32) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert "wq" in plain and not isinstance(plain["wq"], PackedF32)  # the model's own layout kept
+    np.testing.assert_array_equal(np.asarray(unpack_f32(layer["w_gate_up"])),
+                                  np.concatenate([np.asarray(plain["w_gate"]), np.asarray(plain["w_up"])], axis=1))
     assert model.verify_params() is packed  # kept
-    for T in (1, 2, 5, 9):  # a decode-sized block and the register tiles' rows
+    for T in (1, 2, 5, 9, 33):  # a decode-sized block and the register tiles' rows
         np.testing.assert_array_equal(_verify_logits(model, packed, T), _verify_logits(model, model.params, T))
     model.params["layers"][1]["w_down"] = model.params["layers"][1]["w_down"] * 1.5  # replaced deep in the tree
     again = model.verify_params()
