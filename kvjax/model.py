@@ -33,7 +33,8 @@ class Model:
     path: str | None = None
     dtype: str = "f32"
     attention: str = "xla"
-    # per layout name ("loop", "verify"): (ids of the params' leaves, the leaves, the layout) of its last call
+    # per layout name ("loop", which verification reads too): (ids of the params' leaves, the leaves, the layout) of
+    # its last call
     _loop: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def loop_params(self):
