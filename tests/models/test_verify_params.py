@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.decode import steps
-from pallas_kernels.linear import PackedF32, packed_weights_supported, unpack_f32
+from pallas_kernels.linear import PackedF32, packable, packed_weights_supported, unpack_f32
 from tests.builders import toy_model
 
 pytestmark = pytest.mark.skipif(not packed_weights_supported(), reason="packed weights are read natively on CPU only")
@@ -32,6 +32,8 @@ def test_verify_params_are_the_loops_packed_copy_kept_remade_and_verify_with_the
     assert packed is model.loop_params()  # one copy for verification and the loops
     layer, plain = packed["layers"][0], model.params["layers"][0]
     assert all(isinstance(layer[k], PackedF32) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    # an untied head is packed where its width allows (the same bits packed or plain)
+    assert isinstance(packed["lm_head"], PackedF32) == packable(model.params["lm_head"])
     assert "wq" in plain and not isinstance(plain["wq"], PackedF32)  # the model's own layout kept
     np.testing.assert_array_equal(np.asarray(unpack_f32(layer["w_gate_up"])),
                                   np.concatenate([np.asarray(plain["w_gate"]), np.asarray(plain["w_up"])], axis=1))
