@@ -54,9 +54,10 @@ class Model:
         (`Family.pack_params`; Llama on a CPU with the native kernel, `pallas_kernels.linear.PackedF32`) that is the
         loops' layout itself (`loop_params`: fused and packed), so the model keeps one extra copy of its projections,
         not two: the native product computes each output column as one FMA chain over k whatever matrix it sits in, so
-        fused and plain, packed and unpacked give the same bits at the rows it takes (`F32_NATIVE_ROWS`: every verify
-        block of x <= 63). Larger blocks take XLA's dot of the fused matrices, as VeriCache's verification and its
-        reference decoder both do. Elsewhere (no packing, or a GPU/TPU): `params`."""
+        fused and plain, packed and unpacked give the same hidden states at the rows it takes (`F32_NATIVE_ROWS`: every
+        verify block of x <= 63); a tied head's logits are the packed head's (`pack_projections`). Larger blocks take
+        XLA's dot of the fused matrices, as VeriCache's verification and its reference decoder both do. Elsewhere (no
+        packing, or a GPU/TPU): `params`."""
         if self.family.pack_params is None or not packed_weights_supported():
             return self.params
         return self.loop_params()
