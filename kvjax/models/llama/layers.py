@@ -45,12 +45,13 @@ def fuse_projections(params: Params) -> Params:
 
 
 def pack_projections(params: Params) -> Params:
-    """`params` with each layer's f32 projection matrices (q/k/v/o, gate/up/down, fused or not) and the output head
-    (for tied embeddings, the embedding transposed) as `pallas_kernels.linear.PackedF32` where the native CPU product
-    reads them (elsewhere, or for a matrix whose width is not a multiple of 64: unchanged). `linear` gives the same bits for either layout, so verify-shape forwards
-    and decode loops (`Model.verify_params()`, `Model.loop_params()`: one fused, packed copy) compute the plain layout's
-    hidden states bit for bit at the native rows; their logits are the packed head's (the native product's rounding,
-    not XLA's dot of the embedding), the same in VeriCache's verification, its reference decoder and plain decoding.
+    """`params` with each layer's f32 projection matrices (q/k/v/o, gate/up/down, fused or not) and the output head (for
+    tied embeddings, the embedding transposed) as `pallas_kernels.linear.PackedF32` where the native CPU product reads
+    them (elsewhere, or for a matrix whose width is not a multiple of 64: unchanged). `linear` gives the same bits for
+    either layout, so verify-shape forwards and decode loops (`Model.verify_params()`, `Model.loop_params()`: one fused,
+    packed copy) compute the plain layout's hidden states bit for bit at the native rows; their logits are the packed
+    head's (the native product's rounding, not XLA's dot of the embedding), the same in VeriCache's verification, its
+    reference decoder and plain decoding.
 
     Why: the native product runs register tiles over 64-column panels of each matrix; in the [K, N] layout a panel is K
     runs of 256 bytes N * 4 bytes apart, which the hardware prefetchers follow poorly. SmolLM2's 120 products per step
