@@ -61,7 +61,7 @@ def timed(fn):
 
 def reference(model, full, first, M, x):
     seed, tok, out = jnp.zeros((1,), jnp.int32), first, [int(first[0])]
-    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+    vparams = model.verify_params()  # what VeriCache verifies with (and its reference reads)
     for _ in range(M - 1):
         tok, _, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x,
                                          family=model.family, impl=model.attention)

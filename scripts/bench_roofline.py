@@ -156,7 +156,7 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
         if dc is not vdraft:
             del dc
 
-    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+    vparams = model.verify_params()  # what VeriCache verifies with (and its reference reads)
     for x in (8, 32):
         drafts = jnp.zeros((1, x), jnp.int32)
         qlog = jnp.zeros((1, 1, config.vocab_size), jnp.float32)

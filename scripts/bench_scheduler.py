@@ -54,7 +54,7 @@ def reference(model, prefilled, M: int, x: int) -> np.ndarray:
     full = offl.fetch(full)
     seed = jnp.zeros((1,), jnp.int32)
     tok, out = first, [int(first[0])]
-    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+    vparams = model.verify_params()  # what VeriCache verifies with (and its reference reads)
     for _ in range(M - 1):
         tok, _, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x,
                                          family=model.family, impl=model.attention)

@@ -51,7 +51,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
     def copy():
         return jax.block_until_ready(jax.tree.map(jnp.copy, full))
 
-    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+    vparams = model.verify_params()  # what VeriCache verifies with (and its reference reads)
 
     def verify_ms(x, impl):
         drafts = jnp.zeros((1, x), jnp.int32)

@@ -75,7 +75,7 @@ def reference(model, full, first, M, x):
     seed = jnp.zeros((1,), jnp.int32)
     tok, out, margins = first, [int(first[0])], []
     t = time.perf_counter()
-    vparams = model.verify_params()  # what VeriCache verifies with (the same bits as model.params)
+    vparams = model.verify_params()  # what VeriCache verifies with (and its reference reads)
     for _ in range(M - 1):
         tok, row, full, _ = reference_step(vparams, model.config, full, tok, seed, x=x,
                                            family=model.family, impl=model.attention)

@@ -153,7 +153,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     met = RunMetrics(name=f"vericache[{getattr(comp, 'name', type(comp).__name__)}]", params=params)
     # what drafting reads: the model's weights or their bf16 copy (checked, and made once per model, before any compute)
     dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))
-    vparams = model.verify_params()  # what verification reads: the same bits as `params`, laid out for its products
+    vparams = model.verify_params()  # what verification reads (`Model.verify_params`: the loops' packed layout on CPU)
     t0 = time.perf_counter()
     if draft_cache is None:
         dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
@@ -297,7 +297,7 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     logits, full = steps.prefill(model, full, prompt)
     tok = first_token(logits, prompt.size, seed_a, temperature)
     out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
-    vparams = model.verify_params()  # the layout VeriCache verifies with (the same bits as `model.params`)
+    vparams = model.verify_params()  # the layout VeriCache verifies with: its reference must read the same
     for _ in range(max_new_tokens - 1):
         tok, row, full, _ = reference_step(vparams, model.config, full, tok, seed_a, x=draft_len,
                                         temperature=temperature, family=model.family, impl=model.attention)

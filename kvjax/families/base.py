@@ -41,9 +41,10 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
 - tensor parallelism: `shard_params(params, config, mesh, *, vocab=None) -> params` placed on a ("dp", "tp") mesh.
 - loops: optionally `loop_params(params) -> params` — the layout the one-token loops (decode, drafting) read, made
   once per call before the loop (Llama fuses its projections: fewer, larger matmuls per step); optionally
-  `pack_params(params) -> params` — the layout the native products read, giving the same bits as `params` (Llama
-  packs its f32 projections for the CPU's native tiles). `Model.loop_params()` keeps the fused layout packed, and
-  `Model.verify_params()` (what verify-shape forwards read) is that same layout where the family packs.
+  `pack_params(params) -> params` — the layout the native products read, giving the same hidden states as `params`
+  (Llama packs its f32 projections and its output head for the CPU's native tiles). `Model.loop_params()` keeps the
+  fused layout packed, and `Model.verify_params()` (what verify-shape forwards read) is that same layout where the
+  family packs.
 - the prefix cache: `prefix_layout(config, dtype, block_size) -> BlockLayout`.
 
 A family that cannot do something leaves the field None; `require` raises `UnsupportedFeatureError` naming the family

@@ -251,7 +251,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     """
     t0 = time.perf_counter()
     config = model.config
-    vparams = model.verify_params()  # what verification reads (the same bits as `model.params`)
+    vparams = model.verify_params()  # the layout verification reads, not `model.params`
     M, x = max_new_tokens, draft_len
     vc.check_draft_len(model, x)
     ns = namespace or pe.prefix_namespace(model)

@@ -326,15 +326,16 @@ ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // matrix, its 64 weights of each k contiguous (`pallas_kernels.linear.pack_f32` / `pack_int8`). A tile then reads its
 // weights as one contiguous stream instead of K runs of 64 weights N elements apart (which the hardware prefetchers
 // follow poorly: a 9-row tile over SmolLM2's f32 [576, 3072] read 5.2-5.9 GB/s strided vs 7.2-8.5 packed on one core).
-// The same chains as the plain matrix's product (`MatmulImpl`): a plain product at the chunk's first k, then one FMA
-// per k in order, the same k chunks (`KChunks` of the plain shape) added in order, times the column's scale once --
-// so packed and plain weights give the same bits, for any number of rows (one row included).
+// The same chains as the plain matrix's product (`MatmulImpl`): a plain product at k = 0, then one FMA per k in order,
+// times the column's scale once -- so packed and plain weights give the same bits, for any number of rows (one row
+// included). f32 and int8 rows take no k chunks in the plain product either (`KChunks` splits bf16 rows only, and
+// bf16 weights are not packed), so a packed product is one pass.
 template <typename T>
-void PackedPanels(const float* x, int64_t ldx, const T* w, int64_t Kp, int64_t K, const float* scale, float* y,
-                  int64_t N, int64_t M, int64_t p0, int64_t p1) {
+void PackedPanels(const float* x, int64_t ldx, const T* w, int64_t K, const float* scale, float* y, int64_t N,
+                  int64_t M, int64_t p0, int64_t p1) {
   constexpr int64_t kPanel = 64;
   for (int64_t p = p0; p < p1; ++p) {
-    const T* wp = w + p * Kp * kPanel;  // the panel at the chunk's first k (w points there for panel 0)
+    const T* wp = w + p * K * kPanel;
     const float* sp = scale ? scale + p * kPanel : nullptr;
     float* yp = y + p * kPanel;
     if (K == 0) {
@@ -374,27 +375,17 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, f
   const float* xp = x.typed_data();
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
+  static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
   kvjax_native::Workers pool(xla_pool);
-  const int64_t chunks = KChunks(K, N * static_cast<int64_t>(sizeof(T)), sizeof(T));  // the plain shape's chunks
   // units of whole panels, at least two per thread where P allows; rows in groups of kGroupRows (each group a pass
   // over the weights, its tiles' rows sharing each weight load)
-  const int64_t want = (2 * pool.threads() + chunks - 1) / chunks;
-  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(want, P / 8));
+  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(2 * pool.threads(), P / 8));
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-  thread_local std::vector<float> parts;  // the calling thread's: workers use `out`, never `parts` itself
-  if (chunks > 1 && static_cast<int64_t>(parts.size()) < chunks * M * N) parts.resize(chunks * M * N);
-  float* out = chunks > 1 ? parts.data() : yp;
-  pool.Run(chunks * units * groups, [&](int64_t u) {
-    const int64_t p = u % units, g = u / units % groups, c = u / (units * groups);
+  pool.Run(units * groups, [&](int64_t u) {
+    const int64_t p = u % units, g = u / units;
     const int64_t m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
-    const int64_t k0 = c * K / chunks, k1 = (c + 1) * K / chunks;
-    PackedPanels(xp + m0 * K + k0, K, wp + k0 * 64, K, k1 - k0, chunks > 1 ? nullptr : scale,
-                 out + c * M * N + m0 * N, N, mn, p * P / units, (p + 1) * P / units);
+    PackedPanels(xp + m0 * K, K, wp, K, scale, yp + m0 * N, N, mn, p * P / units, (p + 1) * P / units);
   });
-  if (chunks > 1)
-    pool.Run(units, [&](int64_t p) {
-      AddChunks(out, chunks, scale, yp, M, N, p * P / units * 64, (p + 1) * P / units * 64);
-    });
   return ffi::Error::Success();
 }
 

@@ -50,8 +50,8 @@ def matmul_bf16(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def matmul_int8(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-    """(x f32[..., K] @ codes int8[K, N]) * scale f32[N] -> f32[..., N]: each output FMA chains over k in order
-    (codes widened exactly to f32; chunks fixed by the shape, `matmul.cc`), times its column's scale once at the end;
+    """(x f32[..., K] @ codes int8[K, N]) * scale f32[N] -> f32[..., N]: each output one FMA chain over k in order
+    (codes widened exactly to f32; int8 codes are never read in chunks, `matmul.cc`), times its column's scale once;
     no row depends on another row of `x`. Raises RuntimeError (naming why) where the native library is not available,
     ValueError for mismatched shapes."""
     call = _product_call("matmul_int8", native.MATMUL_I8_TARGET, x, codes)
