@@ -408,7 +408,8 @@ def vericache_config(model: Model, max_new_tokens: int, *, compressor=None, comp
         vc.check_draft_len(model, xi)
     if adaptive_policy not in ("cost", "grow_shrink"):
         raise InputError(f"adaptive_policy must be 'cost' or 'grow_shrink', got {adaptive_policy!r}")
-    return _VeriCacheConfig(compressor=model.family.make_compressor(compressor, **(compressor_kw or {})), x=x, xs=xs,
+    comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
+    return _VeriCacheConfig(compressor=comp, x=x, xs=xs,
                             offload=offload, rejection=rejection, recent_slots=recent_slots,
                             adaptive_policy=adaptive_policy)
 
@@ -429,7 +430,8 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
     Args:
         compressor: one of `model.family.compressors` or a draft maker (None: the family's measured-best
             `default_compressor`, the refreshing drafter for Llama-family models, with a bf16 draft cache and int8
-            (CPU) or bf16 (GPU/TPU) draft weights where the kernels read them directly, `family.default_compressor_kw`); `compressor_kw`: its
+            (CPU; a GGUF model's own exact block codes) or bf16 (GPU/TPU) draft weights where the kernels read them
+            directly, `family.default_compressor_kw(model)`); `compressor_kw`: its
             fields (over those defaults).
         draft_len: x, drafts per round. None (default): adapt x per round over `kvjax.decode.draft_length.
             DEFAULT_SET` starting at 8 — the configuration measured best (README) and the CLI's default; a batch

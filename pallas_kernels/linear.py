@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
+from pallas_kernels.affine import PackedAffine, unpack_affine
 
 
 class Int8Weight(NamedTuple):
@@ -164,12 +165,18 @@ def linear(x: jax.Array, w) -> jax.Array:
     """x @ w. With f32 `x` and a bf16 `w` or an `Int8Weight`: on CPU the native kernel reads the weights as stored
     (`native.matmul.matmul_bf16` / `matmul_int8`); elsewhere a bf16 dot with f32 results (int8 codes are exact in
     bf16), times the scales for int8. f32 `x` and `w` [K, N] with `F32_NATIVE_ROWS` rows: on CPU the native f32 product
-    (a decode row, a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedInt8`
-    gives the same bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
+    (a decode row, a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedAffine` /
+    `PackedInt8` gives the same bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
     native_cpu = jax.default_backend() == "cpu" and native.available()
     # the calls of f32 weights the native product takes: one predicate for plain and packed weights (the same bits)
     f32_native = (native_cpu and x.dtype == jnp.float32
                   and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1])
+    if isinstance(w, PackedAffine):  # exactly an f32 matrix (`pallas_kernels.affine`): its bits, fewer bytes read
+        if f32_native:
+            from pallas_kernels.native.matmul import matmul_affine_packed  # noqa: PLC0415 - where the library built
+
+            return matmul_affine_packed(x, w.q, w.d, w.m)
+        return x @ unpack_affine(w)
     if isinstance(w, PackedF32):
         if f32_native:
             from pallas_kernels.native.matmul import matmul_f32_packed  # noqa: PLC0415 - only where the library built

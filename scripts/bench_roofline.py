@@ -90,11 +90,20 @@ def record(rows, floor, context, step, seconds, nbytes, per="step", **extra):
     return r
 
 
+def step_weight_bytes(params) -> int:
+    """The weight bytes a one-token step reads in the layout `params` holds (a GGUF model's loop layout: its block
+    codes, `pallas_kernels.affine`): every leaf, less the embedding table where a separate head is stored (the table
+    then gives one row per token)."""
+    total = tree_nbytes(params)
+    return total - params["embed"].nbytes if "lm_head" in params and "embed" in params else total
+
+
 def bench_kvjax(model, prompt, drafters, floor, rows):
     L = prompt.size
     params, config, family, impl = model.params, model.config, model.family, model.attention
-    wbytes = tree_nbytes(params)
+    wbytes = tree_nbytes(params)  # what a prefill chunk reads (the stored f32 layout)
     loop = model.loop_params()  # the one-token loops' layout, made once (as the engine's callers pass it)
+    loop_bytes = step_weight_bytes(loop)
     cap = capacity_for(L, DECODE_STEPS * 8, X_MAX)
     # warm-up: compile the prefill chunk and the decode loop at this capacity on a short prompt
     warm = family.init_cache(config, 1, cap, model.cache_dtype)
@@ -125,17 +134,16 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
     # the copy inside the lambda is timed too: measure it alone and take it out
     copy_s = best_of(lambda: copy(full), 3) / DECODE_STEPS
     decode_s = max(decode_s - copy_s, 1e-9)
-    record(rows, floor, L, "full-cache decode", decode_s, wbytes + kv_bytes, per="token",
+    record(rows, floor, L, "full-cache decode", decode_s, loop_bytes + kv_bytes, per="token",
            tokens_per_s=1 / decode_s)
 
     vdraft = None
     for spec, (name, kw) in drafters:
         comp = family.make_compressor(name, **kw)
         weights = kw.get("draft_weights", "float32")
-        # the weights the draft reads: the f32 loop layout, or a bf16/int8 copy with its own head (the embedding
-        # table then only gives one row per token, so it is not counted)
+        # the weights the draft reads: the loop layout, or a bf16/int8 copy with its own head
         dparams = loop if weights == "float32" else draft_params(model, weights)
-        dbytes = wbytes if weights == "float32" else tree_nbytes(dparams) - dparams["embed"].nbytes
+        dbytes = step_weight_bytes(dparams)
         t = time.perf_counter()
         dc = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
         comp_s = time.perf_counter() - t
@@ -178,7 +186,8 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
         verify_once()  # compile
         ver_s = min(verify_once() for _ in range(3))
         vdraft = state["dc"]
-        record(rows, floor, L, f"verify x={x}", ver_s, wbytes + kv_bytes, per="verify", decode_steps=ver_s / decode_s)
+        record(rows, floor, L, f"verify x={x}", ver_s, step_weight_bytes(vparams) + kv_bytes, per="verify",
+               decode_steps=ver_s / decode_s)
 
     if family.offload_split is not None:
         host_part, _ = family.offload_split(full, pick_capacity(DECODE_STEPS * 8 + X_MAX + 2, CAPACITY_BUCKETS))

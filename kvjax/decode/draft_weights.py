@@ -49,13 +49,15 @@ def _int8(w):
 
 
 def draft_params(model, weights: str = "float32"):
-    """The params drafting reads: `model.params` for "float32"; for "bfloat16" a fused bf16 copy, for "int8" fused
+    """The params drafting reads: for "float32" the model's own weights in the loops' layout (`Model.loop_params()`:
+    fused, and on CPU packed -- a GGUF model's as its exact block codes, `pallas_kernels.affine`; shared with
+    verification, so no extra copy); for "bfloat16" a fused bf16 copy, for "int8" fused
     int8 codes with a scale per output column (`pallas_kernels.linear.Int8Weight`; on CPU packed in 64-column panels,
     `PackedInt8`), either made on first use and then kept while the model's params hold the same arrays (a weight
     replaced anywhere in the tree makes it again); InputError (`check_draft_weights`) for any other name or where this
     family or platform cannot draft with it."""
     if weights == "float32":
-        return model.params
+        return model.loop_params()
     check_draft_weights(weights, model.family.name)
     ids, leaves = tree_identity(model.params)
     key = (weights, *ids)

@@ -103,7 +103,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if rejection and sampling.as_sampling(temperature).greedy:
         raise InputError("rejection sampling needs temperature > 0")
-    comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+    comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
     check_draft_weights(getattr(comp, "draft_weights", "float32"), model.family.name)
     xs = _draft_lengths(model, draft_len, adaptive)
     full, first, first_logits = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
@@ -144,7 +144,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     `on_round(new i32[k], their logprobs f32[k] or None)`: called with the first token, then each round's tokens.
     """
     params, config, family, impl = model.params, model.config, model.family, model.attention
-    comp = family.make_compressor(compressor)
+    comp = family.make_compressor(compressor, model=model)
     xs = _draft_lengths(model, draft_len, adaptive)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size

@@ -98,7 +98,7 @@ class Family:
     default_compressor: str = "streaming"  # the draft maker used when none is named (chosen by measurement)
     # () -> its fields when none are given for it (None: the compressor's own defaults); a function because the best
     # setting depends on what the kernels here read directly (e.g. bf16 drafts)
-    default_compressor_kw: Callable[[], dict] | None = None
+    default_compressor_kw: Callable[[Any], dict] | None = None
 
     def require(self, field: str, feature: str) -> Callable[..., Any]:
         """The function `field`, or UnsupportedFeatureError naming this family and `feature`."""
@@ -107,13 +107,14 @@ class Family:
             raise UnsupportedFeatureError(self.name, feature)
         return fn
 
-    def make_compressor(self, name_or_compressor, **kw):
+    def make_compressor(self, name_or_compressor, *, model=None, **kw):
         """A draft maker of this family by name (`compressors`; None: `default_compressor` with
-        `default_compressor_kw()` under the given `kw`), or the object itself when already one."""
+        `default_compressor_kw(model)` under the given `kw` -- `model`, when given, the one it will draft for), or the
+        object itself when already one."""
         if name_or_compressor is None:
             name_or_compressor = self.default_compressor
             if self.default_compressor_kw is not None:
-                kw = {**self.default_compressor_kw(), **kw}
+                kw = {**self.default_compressor_kw(model), **kw}
         if not isinstance(name_or_compressor, str):
             return name_or_compressor
         make = self.require("compressor", "VeriCache draft caches")

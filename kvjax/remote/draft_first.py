@@ -71,7 +71,7 @@ def store_prefix(model, store: RemoteStore, prompt_ids, *, drafts=(("streaming",
     out = {"prefix": pe.prefix_key(ns, prompt), "drafts": [], "draft_bytes": {},
            "full_bytes": sum(r["nbytes"] for k, r in body["bundles"].items() if k != "head")}
     for comp, kw in drafts:
-        c = model.family.make_compressor(comp, **kw)
+        c = model.family.make_compressor(comp, model=model, **kw)
         dcache = c(model.params, model.config, full, prompt, recent_slots=recent_slots)
         ident = pe.draft_identity(c, recent_slots)
         d = pe.store_draft(store, ns, prompt, dcache, ident)
@@ -257,7 +257,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     ns = namespace or pe.prefix_namespace(model)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
-    comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+    comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
     dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))  # checks it
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []

@@ -116,7 +116,7 @@ class VeriCacheScheduler:
             model.family.require(field, "the VeriCache scheduler")
         self.model = model
         self.budget = int(budget_bytes)
-        self.comp = model.family.make_compressor(compressor, **(compressor_kw or {}))
+        self.comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
         # what drafting reads: the model's weights, or their bf16 copy (`kvjax.decode.draft_weights`)
         self.draft_params = draft_params(model, getattr(self.comp, "draft_weights", "float32"))
         self.x = draft_len

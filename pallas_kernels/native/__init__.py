@@ -43,6 +43,7 @@ MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`nativ
 MATMUL_I8_TARGET = "kvjax_matmul_int8"  # matmul.cc's int8-code product (`native.matmul.matmul_int8`)
 MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with panel-packed f32 weights
 MATMUL_I8_PACKED_TARGET = "kvjax_matmul_int8_packed"  # ... and with panel-packed int8 codes
+MATMUL_AFFINE_PACKED_TARGET = "kvjax_matmul_affine_packed"  # ... and with packed block-affine codes (exact f32 weights)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -129,6 +130,8 @@ def _build() -> dict:
                                         platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_I8_PACKED_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulI8Packed),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_AFFINE_PACKED_TARGET,
+                                        jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue

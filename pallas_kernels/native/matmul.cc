@@ -14,6 +14,9 @@
 // f32 weights: a decode step's row and a verify block's 2-64 rows (`pallas_kernels.linear.F32_NATIVE_ROWS`), the
 // latter by register tiles (below): SmolLM2's verify at 8K, one process against XLA's dot: 9 rows 0.90-0.93x, 17 rows
 // 0.91-0.93x its time. Weights packed in 64-column panels (`MatmulPackedImpl`, below) are read faster still.
+// Block-affine codes (`MatmulAffinePacked`): f32 weights that are exactly int8 codes q with an f32 scale d and offset m
+// per block of 32 k (a GGUF model's Q4_1 / Q8_0 / ... weights once loaded), read as the codes and made in registers as
+// fma(q, d, m) -- the f32 weight itself, so the f32 product's bits at 1.25 bytes per weight.
 //
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a
@@ -165,28 +168,66 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
 // vector loaded once per k for the R rows, each x[r, k] broadcast once for the C registers), so the loop is FMAs, not
 // loads and stores of partial sums. The chain per output is the same as `Panel`'s: a plain product at k = 0, then
 // one FMA per k in order, times the column's scale at the end -- the same bits, whichever path and tile ran.
+// Where a tile's weights come from. `Stored<T>`: the weights as stored (f32, or int8 codes / bf16 widened exactly),
+// rows `ldw` elements apart (N for a [K, N] matrix, 64 for a packed panel). `Affine`: int8 codes q of a packed panel
+// with an f32 scale d and offset m per block of kAffineBlock k and column, each weight made in registers as
+// fma(q, d, m) -- exactly the f32 weight the codes stand for (`pallas_kernels.affine`: d * q is exact in f32, so the
+// fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
+constexpr int64_t kAffineBlock = 32;
+
+template <typename T>
+struct Stored {
+  const T* w;
+  int64_t ldw;
+  static constexpr int64_t kElemBytes = sizeof(T);
+  const void* Row(int64_t k) const { return w + k * ldw; }
+  float At(int64_t k, int64_t c) const { return Widen(w[k * ldw + c]); }
 #if KVJAX_AVX2
-// w's rows are `ldw` elements apart (N for a [K, N] matrix, 64 for a packed panel), y's rows `ldy` floats.
-template <typename L, int R, int C, typename T>
-inline void Tile(const float* x, int64_t ldx, int64_t K, const T* w, int64_t ldw, const float* scale, float* y,
+  template <typename L>
+  typename L::V Load(int64_t k, int64_t c) const { return L::Load(w + k * ldw + c); }
+#endif
+};
+
+struct Affine {
+  const int8_t* q;       // [K, 64]
+  const float *d, *m;    // [K / kAffineBlock, 64]
+  static constexpr int64_t kElemBytes = 1;
+  const void* Row(int64_t k) const { return q + k * 64; }
+  float At(int64_t k, int64_t c) const {
+    const int64_t b = k / kAffineBlock * 64 + c;
+    return std::fma(static_cast<float>(q[k * 64 + c]), d[b], m[b]);
+  }
+#if KVJAX_AVX2
+  template <typename L>
+  typename L::V Load(int64_t k, int64_t c) const {
+    const int64_t b = k / kAffineBlock * 64 + c;
+    return L::Fma(L::Load(q + k * 64 + c), L::LoadF(d + b), L::LoadF(m + b));
+  }
+#endif
+};
+
+#if KVJAX_AVX2
+// Columns [c0, c0 + C * L::kWidth) of `src` for R rows; y's rows are `ldy` floats apart.
+template <typename L, int R, int C, typename Src>
+inline void Tile(const float* x, int64_t ldx, int64_t K, const Src& src, int64_t c0, const float* scale, float* y,
                  int64_t ldy, int64_t ahead) {
   using V = typename L::V;
   V acc[R][C];
   {
     V wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = L::Load(w + j * L::kWidth);
+    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(0, c0 + j * L::kWidth);
     for (int r = 0; r < R; ++r) {
       const V b = L::Set1(x[r * ldx]);
       for (int j = 0; j < C; ++j) acc[r][j] = L::Mul(b, wv[j]);
     }
   }
-  constexpr int64_t kLineElems = 64 / sizeof(T);
+  constexpr int64_t kLineElems = 64 / Src::kElemBytes;
   for (int64_t k = 1; k < K; ++k) {
-    const T* wk = w + k * ldw;
     if (k + ahead < K)
-      for (int64_t e = 0; e < C * L::kWidth; e += kLineElems) __builtin_prefetch(wk + ahead * ldw + e);
+      for (int64_t e = 0; e < C * L::kWidth; e += kLineElems)
+        __builtin_prefetch(static_cast<const char*>(src.Row(k + ahead)) + (c0 + e) * Src::kElemBytes);
     V wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = L::Load(wk + j * L::kWidth);
+    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(k, c0 + j * L::kWidth);
     for (int r = 0; r < R; ++r) {
       const V b = L::Set1(x[r * ldx + k]);
       for (int j = 0; j < C; ++j) acc[r][j] = L::Fma(b, wv[j], acc[r][j]);
@@ -197,19 +238,19 @@ inline void Tile(const float* x, int64_t ldx, int64_t K, const T* w, int64_t ldw
       L::Store(y + r * ldy + j * L::kWidth, scale ? L::Mul(acc[r][j], L::LoadF(scale + j * L::kWidth)) : acc[r][j]);
 }
 
-template <typename L, int RMax, int C, typename T>
-inline void Tiles(const float* x, int64_t ldx, int64_t K, const T* w, int64_t ldw, const float* scale, float* y,
+template <typename L, int RMax, int C, typename Src>
+inline void Tiles(const float* x, int64_t ldx, int64_t K, const Src& src, int64_t c0, const float* scale, float* y,
                   int64_t ldy, int64_t M, int64_t ahead) {
   for (int64_t m0 = 0; m0 < M; m0 += RMax) {
     const float* xm = x + m0 * ldx;
     float* ym = y + m0 * ldy;
     switch (std::min<int64_t>(RMax, M - m0)) {
-      case 1: Tile<L, 1, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
-      case 2: Tile<L, 2, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
-      case 3: if constexpr (RMax >= 3) Tile<L, 3, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
-      case 4: if constexpr (RMax >= 4) Tile<L, 4, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
-      case 5: if constexpr (RMax >= 5) Tile<L, 5, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
-      default: if constexpr (RMax >= 6) Tile<L, 6, C>(xm, ldx, K, w, ldw, scale, ym, ldy, ahead); break;
+      case 1: Tile<L, 1, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      case 2: Tile<L, 2, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      case 3: if constexpr (RMax >= 3) Tile<L, 3, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      case 4: if constexpr (RMax >= 4) Tile<L, 4, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      case 5: if constexpr (RMax >= 5) Tile<L, 5, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      default: if constexpr (RMax >= 6) Tile<L, 6, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
     }
   }
 }
@@ -233,7 +274,7 @@ void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, floa
     constexpr int64_t kBlock = kRegs * L::kWidth;
     const int64_t ahead = std::clamp<int64_t>(4096 / (kBlock * static_cast<int64_t>(sizeof(T))), 4, 32);
     for (; c + kBlock <= n1; c += kBlock)
-      Tiles<L, kRows, kRegs>(x, ldx, K, w + c, N, scale ? scale + c : nullptr, y + c, N, M, ahead);
+      Tiles<L, kRows, kRegs>(x, ldx, K, Stored<T>{w, N}, c, scale ? scale + c : nullptr, y + c, N, M, ahead);
 #endif
   }
   if (c < n1) Panel(x, ldx, w, scale, y, M, K, N, c, n1);
@@ -330,12 +371,14 @@ ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // times the column's scale once -- so packed and plain weights give the same bits, for any number of rows (one row
 // included). f32 and int8 rows take no k chunks in the plain product either (`KChunks` splits bf16 rows only, and
 // bf16 weights are not packed), so a packed product is one pass.
-template <typename T>
-void PackedPanels(const float* x, int64_t ldx, const T* w, int64_t K, const float* scale, float* y, int64_t N,
+// `panel(p)`: panel p's weights as a tile source (`Stored` or `Affine`); `scale`: int8 codes' column scales, or null.
+template <typename Panel>
+void PackedPanels(const float* x, int64_t ldx, const Panel& panel, int64_t K, const float* scale, float* y, int64_t N,
                   int64_t M, int64_t p0, int64_t p1) {
   constexpr int64_t kPanel = 64;
   for (int64_t p = p0; p < p1; ++p) {
-    const T* wp = w + p * K * kPanel;
+    const auto src = panel(p);
+    using Src = std::decay_t<decltype(src)>;
     const float* sp = scale ? scale + p * kPanel : nullptr;
     float* yp = y + p * kPanel;
     if (K == 0) {
@@ -343,50 +386,59 @@ void PackedPanels(const float* x, int64_t ldx, const T* w, int64_t K, const floa
       continue;
     }
 #if KVJAX_AVX2
-    const int64_t ahead = std::clamp<int64_t>(4096 / (kPanel * static_cast<int64_t>(sizeof(T))), 16, 64);
+    const int64_t ahead = std::clamp<int64_t>(4096 / (kPanel * Src::kElemBytes), 16, 64);
 #endif
 #if KVJAX_AVX512
-    Tiles<kvjax_native::Lanes16, 6, 4>(x, ldx, K, wp, kPanel, sp, yp, N, M, ahead);
+    Tiles<kvjax_native::Lanes16, 6, 4>(x, ldx, K, src, 0, sp, yp, N, M, ahead);
 #elif KVJAX_AVX2
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, wp, kPanel, sp, yp, N, M, ahead);
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, wp + 32, kPanel, sp ? sp + 32 : nullptr, yp + 32, N, M, ahead);
+    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, src, 0, sp, yp, N, M, ahead);
+    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, src, 32, sp ? sp + 32 : nullptr, yp + 32, N, M, ahead);
 #else
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < kPanel; ++c) {
-        float acc = x[m * ldx] * Widen(wp[c]);
-        for (int64_t k = 1; k < K; ++k) acc = std::fma(x[m * ldx + k], Widen(wp[k * kPanel + c]), acc);
+        float acc = x[m * ldx] * src.At(0, c);
+        for (int64_t k = 1; k < K; ++k) acc = std::fma(x[m * ldx + k], src.At(k, c), acc);
         yp[m * N + c] = sp ? acc * sp[c] : acc;
       }
 #endif
   }
 }
 
-template <typename T>
-ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, const float* scale,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (wd.size() != 3 || wd[2] != 64) return ffi::Error::InvalidArgument("w must be packed [P, K, 64]");
+// Checks x against packed weights of K rows and P panels, then runs `PackedPanels` over units of whole panels (at
+// least two per thread where P allows), rows in groups of kGroupRows (each group a pass over the weights, its tiles'
+// rows sharing each weight load).
+template <typename Panel>
+ffi::Error PackedProduct(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, int64_t P, int64_t K, const Panel& panel,
+                         const float* scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
   if (xd.size() < 1) return ffi::Error::InvalidArgument("x must have rank >= 1");
-  const int64_t P = wd[0], K = wd[1], N = P * 64;
+  const int64_t N = P * 64;
   if (xd[xd.size() - 1] != K) return ffi::Error::InvalidArgument("x's last dimension must equal w's K");
   const int64_t M = K > 0 ? static_cast<int64_t>(x.element_count()) / K : 0;
   if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, 64P]");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
-  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
-  static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
   kvjax_native::Workers pool(xla_pool);
-  // units of whole panels, at least two per thread where P allows; rows in groups of kGroupRows (each group a pass
-  // over the weights, its tiles' rows sharing each weight load)
   const int64_t units = std::min<int64_t>(P, std::max<int64_t>(2 * pool.threads(), P / 8));
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   pool.Run(units * groups, [&](int64_t u) {
     const int64_t p = u % units, g = u / units;
     const int64_t m0 = g * kGroupRows, mn = std::min(kGroupRows, M - m0);
-    PackedPanels(xp + m0 * K, K, wp, K, scale, yp + m0 * N, N, mn, p * P / units, (p + 1) * P / units);
+    PackedPanels(xp + m0 * K, K, panel, K, scale, yp + m0 * N, N, mn, p * P / units, (p + 1) * P / units);
   });
   return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, const float* scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto wd = w.dimensions();
+  if (wd.size() != 3 || wd[2] != 64) return ffi::Error::InvalidArgument("w must be packed [P, K, 64]");
+  static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
+  const int64_t K = wd[1];
+  return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T>{wp + p * K * 64, 64}; }, scale, y);
 }
 
 ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -402,6 +454,26 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
   if (wd.size() != 3 || sd.size() != 1 || sd[0] != wd[0] * 64)
     return ffi::Error::InvalidArgument("scale must be f32[64P] for w [P, K, 64]");
   return MatmulPackedImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
+}
+
+// Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels, d and m
+// f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is fma(q, d, m) of its block -- the f32 weight itself, so the
+// chains and bits are `MatmulF32Packed`'s on the f32 panels, at 1.25 bytes per weight read instead of 4.
+ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                              ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
+  if (q.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("q must be int8");
+  auto qd = q.dimensions(), dd = d.dimensions(), md = m.dimensions();
+  if (qd.size() != 3 || qd[2] != 64) return ffi::Error::InvalidArgument("q must be packed [P, K, 64]");
+  const int64_t P = qd[0], K = qd[1], B = K / kAffineBlock;
+  if (K % kAffineBlock) return ffi::Error::InvalidArgument("q's K must be a multiple of 32");
+  for (auto s : {dd, md})
+    if (s.size() != 3 || s[0] != P || s[1] != B || s[2] != 64)
+      return ffi::Error::InvalidArgument("d and m must be f32[P, K / 32, 64] for q [P, K, 64]");
+  const int8_t* qp = reinterpret_cast<const int8_t*>(q.untyped_data());
+  const float *dp = d.typed_data(), *mp = m.typed_data();
+  return PackedProduct(xla_pool, x, P, K, [=](int64_t p) {
+    return Affine{qp + p * K * 64, dp + p * B * 64, mp + p * B * 64};
+  }, nullptr, y);
 }
 
 // The handlers' bindings: x f32 and w (its dtype checked by each handler) to y f32, and with a scale f32[N] for int8.
@@ -421,3 +493,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8, MatmulI8, ScaledProductBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32, MatmulF32, ProductBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulF32Packed, MatmulF32Packed, ProductBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulI8Packed, MatmulI8Packed, ScaledProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulAffinePacked, MatmulAffinePacked,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -37,7 +37,7 @@ def test_low_precision_draft_weights_keep_vericache_exact(hf_model_dir, weights)
 
 def test_draft_params_are_a_fused_bf16_copy_made_once(hf_model_dir):
     m = kvjax.load(hf_model_dir("llama")[1])
-    assert draft_params(m, "float32") is m.params
+    assert draft_params(m, "float32") is m.loop_params()  # the loops' own layout, shared with verification
     d = draft_params(m, "bfloat16")
     assert draft_params(m, "bfloat16") is d  # kept, not rebuilt per call
     layer = d["layers"][0]

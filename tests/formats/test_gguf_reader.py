@@ -132,6 +132,35 @@ def test_two_quantisations_of_one_model_never_share_prefix_entries(tmp_path, toy
                                                                       if k != "weights"}
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_a_quantised_models_loops_read_its_block_codes_exactly(tmp_path, toy, qtype):
+    """A GGUF model's projections are exact block codes once loaded: the loops' layout keeps them as codes
+    (`PackedAffine`, a quarter of the f32 bytes or less), the default drafter drafts with them, and the output is still
+    the full-cache decoder's bit for bit; a model of unquantised weights keeps f32 panels and int8 draft codes."""
+    from kvjax.families.llama import default_drafter_fields, reads_block_codes
+    from pallas_kernels.affine import PackedAffine, unpack_affine
+    from pallas_kernels.linear import packed_weights_supported
+
+    write_model(tmp_path / "m.gguf", toy, tied=True, one_type=qtype)
+    m = kvjax.load(str(tmp_path / "m.gguf"))
+    if not packed_weights_supported():
+        assert not reads_block_codes(m)
+        return
+    codes, f32 = m.loop_params()["layers"][1]["w_down"], m.params["layers"][1]["w_down"]
+    assert reads_block_codes(m) and not reads_block_codes(toy)
+    assert isinstance(codes, PackedAffine) and codes.nbytes * 3 < f32.nbytes
+    np.testing.assert_array_equal(np.asarray(unpack_affine(codes)), np.asarray(f32))
+    assert default_drafter_fields(m)["draft_weights"] == "float32"
+    assert default_drafter_fields(toy)["draft_weights"] == "int8"
+    ids = [2, 3, 4, 5, 6, 7, 8, 9, 2, 4, 6, 8]
+    ref = kvjax.reference_decode(m, ids, 12, draft_len=4, return_logits=True)
+    got = kvjax.generate_vericache(m, ids, 12, draft_len=4, ignore_eos=True, return_logits=True)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    np.testing.assert_array_equal(got.logits, ref.logits)
+    plain = kvjax.generate(m, ids, 12, ignore_eos=True)  # the one-token loop on the codes
+    np.testing.assert_array_equal(plain.tokens, ref.tokens)
+
+
 def test_rotary_rows_are_llama_cpp_pairs_undone():
     w = np.arange(2 * 8 * 3).reshape(16, 3).astype(np.float32)  # 2 heads of D = 8
     stored = _interleave(w, 2)

@@ -1,0 +1,138 @@
+"""f32 weights that are exactly block-affine codes, stored as the codes: what a GGUF model's quantised weights are once
+loaded (Q4_0, Q4_1, Q8_0 and kin dequantise each block of 32 weights along k as d * q + m, d and m f16, q a small
+integer), read by the native products at 1.25 bytes per weight instead of 4, with the f32 matrix's bits.
+
+`pack_affine(w)` finds, for every block of 32 rows of `w [K, N]` and every column, an f32 scale d, offset m and int8
+codes q with fl(d * q + m) == w bit for bit (d * q exact in f32, so one rounding: the native kernel's fma(q, d, m)
+gives the same value), and stores them in `PackedF32`'s 64-column panels. It checks every weight and returns None
+unless all of them are reproduced exactly, so a weight that is not such a code (a trained model's, a fine-tuned GGUF's
+after an update) keeps its f32 layout: `linear` on a `PackedAffine` multiplies exactly the f32 matrix, never an
+approximation of it.
+
+The forms are tried per block as the formats make them (`FORMS`): symmetric (m = -0, d = max |w| / the top code:
+Q8_0, Q4_0, Q5_0) and asymmetric (m = the block's minimum, code 0; d the f16 nearest (max - min) / the top code: Q4_1,
+Q5_1). A block fits when one of them reproduces all 32 weights. SmolLM2-135M's GGUF (Q4_1 projections, a Q8_0 embedding): every block
+of every matrix fits; its packed loop layout is 170 MB instead of 538.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32  # rows of k per (d, m): GGUF's block size for every format above
+PANEL = 64  # columns per panel, as `pallas_kernels.linear.PackedF32`
+
+
+class PackedAffine(NamedTuple):
+    """An f32 `[K, N]` weight as int8 codes `q` [N / 64, K, 64] (in `PackedF32`'s panel order) and per-block f32 scales
+    `d` and offsets `m` [N / 64, K / 32, 64]: weight (k, n) = fma(q, d, m) of its block, exactly the f32 value. A
+    pytree, so jit takes it."""
+
+    q: jax.Array
+    d: jax.Array
+    m: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        return (self.q.shape[1], self.q.shape[0] * PANEL)
+
+    @property
+    def dtype(self):
+        return jnp.float32  # what it stands for
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes + self.m.nbytes
+
+
+def _fit(v: np.ndarray, d: np.ndarray, m: np.ndarray, lo: int, hi: int):
+    """Codes for blocks v [B, 32, n] under (d, m) [B, n], and per block whether they reproduce v bit for bit (made from
+    the integer codes, as the kernel makes them: a code 0 is +0, so d's sign sets the sign of a zero weight)."""
+    safe = np.where(d == 0, np.float32(1), d)
+    q = np.clip(np.rint((v - m[:, None, :]) / safe[:, None, :]), lo, hi)
+    q = np.where(d[:, None, :] == 0, 0, q).astype(np.int8)
+    p = d[:, None, :].astype(np.float64) * q.astype(np.float64)  # exact in f64
+    made = (p.astype(np.float32) + m[:, None, :]).astype(np.float32)
+    ok = (p == p.astype(np.float32)) & (made.view(np.uint32) == v.view(np.uint32))
+    return q, ok.all(axis=1)
+
+
+# The forms tried, in order, on the blocks no earlier form fitted: (symmetric, top code) -- symmetric: m = -0 and
+# d = +-max |w| / top (Q8_0: 127, d > 0; Q4_0: 8 and Q5_0: 16, whose scale is the block's signed extreme / -top, so
+# either sign, which a block's zero weights show: d * 0 is -0 for d < 0); asymmetric: m = the block's minimum (code 0)
+# and d the f16 nearest (max - min) / top (Q4_1: 15; Q5_1: 31).
+FORMS = ((True, 127), (False, 15), (True, 8), (True, -8), (False, 31), (True, 16), (True, -16))
+
+
+def _codes(w: np.ndarray):
+    """(q int8 [K, N], d f32 [K/32, N], m f32 [K/32, N]) reproducing `w` exactly, or None."""
+    K, N = w.shape
+    v = w.reshape(K // BLOCK, BLOCK, N)
+    lo, hi = v.min(axis=1), v.max(axis=1)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        return None
+    q = np.zeros(v.shape, np.int8)
+    d, m = np.zeros_like(lo), np.zeros_like(lo)
+    done = np.zeros(lo.shape, bool)
+    for symmetric, top in FORMS:
+        if symmetric:
+            dd = (np.maximum(-lo, hi) / np.float32(top)).astype(np.float32)
+            mm = np.full_like(lo, -0.0)  # x + (-0) == x for every x, +0 included: the product's own sign of zero kept
+            qq, ok = _fit(v, dd, mm, -abs(top), abs(top))
+        else:
+            with np.errstate(over="ignore"):
+                dd = ((hi.astype(np.float64) - lo) / top).astype(np.float16).astype(np.float32)
+            mm = lo
+            qq, ok = _fit(v, dd, mm, 0, top)
+        take = ok & ~done
+        q = np.where(take[:, None, :], qq, q)
+        d, m = np.where(take, dd, d), np.where(take, mm, m)
+        done |= ok
+        if done.all():
+            return q.reshape(K, N), d, m
+    return None
+
+
+def affine_packable(w) -> bool:
+    """Whether `w` has the shape and type `pack_affine` looks at: a concrete f32 [K, N] array, K a positive multiple of
+    32 and N of 64 (a traced value cannot be checked, so it never packs)."""
+    return (isinstance(w, (jax.Array, np.ndarray)) and not isinstance(w, jax.core.Tracer) and w.ndim == 2
+            and w.dtype == np.float32 and w.shape[0] > 0 and w.shape[0] % BLOCK == 0 and w.shape[1] > 0
+            and w.shape[1] % PANEL == 0)
+
+
+def pack_affine(w) -> PackedAffine | None:
+    """`w` f32[K, N] as a `PackedAffine` when every weight is exactly a block-affine code (see the module docstring),
+    else None (also for shapes `affine_packable` refuses)."""
+    if not affine_packable(w):
+        return None
+    host = np.asarray(w)
+    K, N = host.shape
+    parts = []
+    step = max(PANEL, (1 << 22) // K // PANEL * PANEL)  # columns per pass: bounded temporaries for a large head
+    for n0 in range(0, N, step):
+        got = _codes(np.ascontiguousarray(host[:, n0:n0 + step]))
+        if got is None:
+            return None
+        parts.append(got)
+    q, d, m = (np.concatenate(x, axis=1) for x in zip(*parts))
+
+    def panels(a):
+        rows = a.shape[0]
+        return jnp.asarray(a.reshape(rows, N // PANEL, PANEL).transpose(1, 0, 2))
+
+    return PackedAffine(panels(q), panels(d), panels(m))
+
+
+def unpack_affine(w: PackedAffine) -> jax.Array:
+    """The f32 `[K, N]` matrix a `PackedAffine` stands for, bit for bit (d * q is exact, so the sum's one rounding is
+    the fused one's)."""
+    P, K, _ = w.q.shape
+    d = jnp.repeat(w.d, BLOCK, axis=1)
+    m = jnp.repeat(w.m, BLOCK, axis=1)
+    full = w.q.astype(jnp.float32) * d + m
+    return full.transpose(1, 0, 2).reshape(K, P * PANEL)
