@@ -1,6 +1,7 @@
 """f32 weights that are exactly block-affine codes, stored as the codes: what a GGUF model's quantised weights are once
 loaded (Q4_0, Q4_1, Q8_0 and kin dequantise each block of 32 weights along k as d * q + m, d and m f16, q a small
-integer), read by the native products at 1.25 bytes per weight instead of 4, with the f32 matrix's bits.
+integer), read by the native products at 1.25 bytes per weight instead of 4 (0.75 where the codes are 4-bit), with the
+f32 matrix's bits.
 
 `pack_affine(w)` finds, for every block of 32 rows of `w [K, N]` and every column, an f32 scale d, offset m and int8
 codes q with fl(d * q + m) == w bit for bit (d * q exact in f32, so one rounding: the native kernel's fma(q, d, m)
@@ -12,7 +13,7 @@ approximation of it.
 The forms are tried per block as the formats make them (`FORMS`): symmetric (m = -0, d = max |w| / the top code:
 Q8_0, Q4_0, Q5_0) and asymmetric (m = the block's minimum, code 0; d the f16 nearest (max - min) / the top code: Q4_1,
 Q5_1). A block fits when one of them reproduces all 32 weights. SmolLM2-135M's GGUF (Q4_1 projections, a Q8_0 embedding): every block
-of every matrix fits; its packed loop layout is 170 MB instead of 538.
+of every matrix fits, the projections with 4-bit codes; its packed loop layout is ~115 MB instead of 538.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ PANEL = 64  # columns per panel, as `pallas_kernels.linear.PackedF32`
 
 
 class PackedAffine(NamedTuple):
-    """An f32 `[K, N]` weight as int8 codes `q` [N / 64, K, 64] (in `PackedF32`'s panel order) and per-block f32 scales
-    `d` and offsets `m` [N / 64, K / 32, 64]: weight (k, n) = fma(q, d, m) of its block, exactly the f32 value. A
-    pytree, so jit takes it."""
+    """An f32 `[K, N]` weight as int8 codes `q` [N / 64, K, 64] (in `PackedF32`'s panel order; where every code is in
+    0..15, as Q4_1's, uint8 [N / 64, K, 32], two codes per byte: column j of the panel in byte j's low nibble, column
+    j + 32 in its high one) and per-block f32 scales `d` and offsets `m` [N / 64, K / 32, 64]: weight (k, n) =
+    fma(q, d, m) of its block, exactly the f32 value. A pytree, so jit takes it."""
 
     q: jax.Array
     d: jax.Array
@@ -39,6 +41,11 @@ class PackedAffine(NamedTuple):
     @property
     def shape(self) -> tuple:
         return (self.q.shape[1], self.q.shape[0] * PANEL)
+
+    @property
+    def bits(self) -> int:
+        """Bits per code: 4 (two per byte) or 8."""
+        return 4 if self.q.dtype == jnp.uint8 else 8
 
     @property
     def dtype(self):
@@ -61,11 +68,12 @@ def _fit(v: np.ndarray, d: np.ndarray, m: np.ndarray, lo: int, hi: int):
     return q, ok.all(axis=1)
 
 
-# The forms tried, in order, on the blocks no earlier form fitted: (symmetric, top code) -- symmetric: m = -0 and
-# d = +-max |w| / top (Q8_0: 127, d > 0; Q4_0: 8 and Q5_0: 16, whose scale is the block's signed extreme / -top, so
-# either sign, which a block's zero weights show: d * 0 is -0 for d < 0); asymmetric: m = the block's minimum (code 0)
-# and d the f16 nearest (max - min) / top (Q4_1: 15; Q5_1: 31).
-FORMS = ((True, 127), (False, 15), (True, 8), (True, -8), (False, 31), (True, 16), (True, -16))
+# The forms tried, in order, on the blocks no earlier form fitted, the fewest code bits first (a block may fit
+# several: some of a Q4_1 matrix's fit Q8_0's form, with codes up to 127): (symmetric, top code) -- asymmetric: m = the
+# block's minimum (code 0) and d the f16 nearest (max - min) / top (Q4_1: 15; Q5_1: 31); symmetric: m = -0 and
+# d = +-max |w| / top (Q4_0: 8 and Q5_0: 16, whose scale is the block's signed extreme / -top, so either sign, which a
+# block's zero weights show: d * 0 is -0 for d < 0; Q8_0: 127, d > 0).
+FORMS = ((False, 15), (True, 8), (True, -8), (False, 31), (True, 16), (True, -16), (True, 127))
 
 
 def _codes(w: np.ndarray):
@@ -123,9 +131,13 @@ def pack_affine(w) -> PackedAffine | None:
 
     def panels(a):
         rows = a.shape[0]
-        return jnp.asarray(a.reshape(rows, N // PANEL, PANEL).transpose(1, 0, 2))
+        return np.ascontiguousarray(a.reshape(rows, N // PANEL, PANEL).transpose(1, 0, 2))
 
-    return PackedAffine(panels(q), panels(d), panels(m))
+    q = panels(q)
+    if q.min() >= 0 and q.max() <= 15:  # 4-bit codes (Q4_1's): two per byte, column j low and j + 32 high
+        u = q.astype(np.uint8)
+        q = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)
+    return PackedAffine(jnp.asarray(q), jnp.asarray(panels(d)), jnp.asarray(panels(m)))
 
 
 def unpack_affine(w: PackedAffine) -> jax.Array:
@@ -134,5 +146,6 @@ def unpack_affine(w: PackedAffine) -> jax.Array:
     P, K, _ = w.q.shape
     d = jnp.repeat(w.d, BLOCK, axis=1)
     m = jnp.repeat(w.m, BLOCK, axis=1)
-    full = w.q.astype(jnp.float32) * d + m
+    q = jnp.concatenate([w.q & 15, w.q >> 4], axis=2) if w.q.dtype == jnp.uint8 else w.q
+    full = q.astype(jnp.float32) * d + m
     return full.transpose(1, 0, 2).reshape(K, P * PANEL)

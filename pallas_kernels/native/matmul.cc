@@ -181,6 +181,7 @@ struct Stored {
   int64_t ldw;
   static constexpr int64_t kElemBytes = sizeof(T);
   const void* Row(int64_t k) const { return w + k * ldw; }
+  int64_t Offset(int64_t c) const { return c * kElemBytes; }  // bytes from a row's start to column c
   float At(int64_t k, int64_t c) const { return Widen(w[k * ldw + c]); }
 #if KVJAX_AVX2
   template <typename L>
@@ -193,6 +194,7 @@ struct Affine {
   const float *d, *m;    // [K / kAffineBlock, 64]
   static constexpr int64_t kElemBytes = 1;
   const void* Row(int64_t k) const { return q + k * 64; }
+  int64_t Offset(int64_t c) const { return c; }
   float At(int64_t k, int64_t c) const {
     const int64_t b = k / kAffineBlock * 64 + c;
     return std::fma(static_cast<float>(q[k * 64 + c]), d[b], m[b]);
@@ -202,6 +204,45 @@ struct Affine {
   typename L::V Load(int64_t k, int64_t c) const {
     const int64_t b = k / kAffineBlock * 64 + c;
     return L::Fma(L::Load(q + k * 64 + c), L::LoadF(d + b), L::LoadF(m + b));
+  }
+#endif
+};
+
+// `Affine` with 4-bit codes 0..15 (every code of the matrix in that range: Q4_1's), two per byte: byte j of a k's 32
+// holds column j in its low nibble and column j + 32 in its high one -- 0.75 bytes per weight instead of 1.25, the
+// same weights.
+struct Affine4 {
+  const uint8_t* q;      // [K, 32]
+  const float *d, *m;    // [K / kAffineBlock, 64]
+  static constexpr int64_t kElemBytes = 1;  // per byte of codes: two weights (the prefetch reads ahead in bytes)
+  const void* Row(int64_t k) const { return q + k * 32; }
+  int64_t Offset(int64_t c) const { return c % 32; }
+  float At(int64_t k, int64_t c) const {
+    const uint8_t byte = q[k * 32 + c % 32];
+    const int64_t b = k / kAffineBlock * 64 + c;
+    return std::fma(static_cast<float>(c < 32 ? byte & 15 : byte >> 4), d[b], m[b]);
+  }
+#if KVJAX_AVX2
+  template <typename L>
+  typename L::V Load(int64_t k, int64_t c) const {
+    const int64_t b = k / kAffineBlock * 64 + c;
+    return L::Fma(Codes<L>(q + k * 32 + c % 32, c >= 32), L::LoadF(d + b), L::LoadF(m + b));
+  }
+  // L::kWidth codes from the low (or high) nibbles of as many bytes at p, as f32
+  template <typename L>
+  static typename L::V Codes(const uint8_t* p, bool high) {
+#if KVJAX_AVX512
+    if constexpr (L::kWidth == 16) {
+      __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      x = high ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15));
+      return _mm512_cvtepi32_ps(x);
+    }
+#endif
+    if constexpr (L::kWidth == 8) {
+      __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      x = high ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15));
+      return _mm256_cvtepi32_ps(x);
+    }
   }
 #endif
 };
@@ -225,7 +266,7 @@ inline void Tile(const float* x, int64_t ldx, int64_t K, const Src& src, int64_t
   for (int64_t k = 1; k < K; ++k) {
     if (k + ahead < K)
       for (int64_t e = 0; e < C * L::kWidth; e += kLineElems)
-        __builtin_prefetch(static_cast<const char*>(src.Row(k + ahead)) + (c0 + e) * Src::kElemBytes);
+        __builtin_prefetch(static_cast<const char*>(src.Row(k + ahead)) + src.Offset(c0 + e));
     V wv[C];
     for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(k, c0 + j * L::kWidth);
     for (int r = 0; r < R; ++r) {
@@ -456,21 +497,30 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
   return MatmulPackedImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
 }
 
-// Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels, d and m
+// Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels (or uint8
+// [P, K, 32], 4-bit codes two per byte, `Affine4`), d and m
 // f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is fma(q, d, m) of its block -- the f32 weight itself, so the
 // chains and bits are `MatmulF32Packed`'s on the f32 panels, at 1.25 bytes per weight read instead of 4.
 ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
-  if (q.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("q must be int8");
+  const bool nibbles = q.element_type() == ffi::DataType::U8;
+  if (!nibbles && q.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("q must be int8 or uint8");
   auto qd = q.dimensions(), dd = d.dimensions(), md = m.dimensions();
-  if (qd.size() != 3 || qd[2] != 64) return ffi::Error::InvalidArgument("q must be packed [P, K, 64]");
+  if (qd.size() != 3 || qd[2] != (nibbles ? 32 : 64))
+    return ffi::Error::InvalidArgument("q must be packed [P, K, 64] int8 or [P, K, 32] uint8 (4-bit codes)");
   const int64_t P = qd[0], K = qd[1], B = K / kAffineBlock;
   if (K % kAffineBlock) return ffi::Error::InvalidArgument("q's K must be a multiple of 32");
   for (auto s : {dd, md})
     if (s.size() != 3 || s[0] != P || s[1] != B || s[2] != 64)
       return ffi::Error::InvalidArgument("d and m must be f32[P, K / 32, 64] for q [P, K, 64]");
-  const int8_t* qp = reinterpret_cast<const int8_t*>(q.untyped_data());
   const float *dp = d.typed_data(), *mp = m.typed_data();
+  if (nibbles) {
+    const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.untyped_data());
+    return PackedProduct(xla_pool, x, P, K, [=](int64_t p) {
+      return Affine4{qp + p * K * 32, dp + p * B * 64, mp + p * B * 64};
+    }, nullptr, y);
+  }
+  const int8_t* qp = reinterpret_cast<const int8_t*>(q.untyped_data());
   return PackedProduct(xla_pool, x, P, K, [=](int64_t p) {
     return Affine{qp + p * K * 64, dp + p * B * 64, mp + p * B * 64};
   }, nullptr, y);

@@ -35,10 +35,14 @@ def test_gguf_codes_are_found_and_reproduce_every_weight(qtype, lo, hi):
     w = _gguf_weights(576, 192, qtype)
     p = pack_affine(w)
     assert isinstance(p, PackedAffine) and p.shape == (576, 192)
-    assert p.q.shape == (3, 576, 64) and p.d.shape == p.m.shape == (3, 18, 64) and p.nbytes < w.nbytes / 3
+    nibbles = qtype == Q.Q4_1  # its codes are 0..15: two per byte
+    assert p.bits == (4 if nibbles else 8) and p.q.shape == (3, 576, 32 if nibbles else 64)
+    assert p.d.shape == p.m.shape == (3, 18, 64) and p.nbytes < w.nbytes / (5 if nibbles else 3)
     np.testing.assert_array_equal(_bits(unpack_affine(p)), _bits(w))
     q = np.asarray(p.q)
-    assert lo <= q.min() and q.max() <= hi
+    if nibbles:
+        q = np.concatenate([q & 15, q >> 4], axis=2)
+    assert lo <= q.astype(np.int32).min() and q.max() <= hi
 
 
 def test_anything_but_exact_codes_is_refused():
@@ -66,7 +70,8 @@ def test_signed_zeros_survive():
 
 
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
-@pytest.mark.parametrize("K,N,qtype", [(576, 960, Q.Q4_1), (1536, 576, Q.Q4_1), (576, 1024, Q.Q8_0)])
+@pytest.mark.parametrize("K,N,qtype", [(576, 960, Q.Q4_1), (1536, 576, Q.Q4_1), (576, 1024, Q.Q8_0),
+                                       (64, 128, Q.Q4_0)])
 def test_the_codes_product_gives_the_f32_matrixs_bits_for_any_number_of_rows(K, N, qtype):
     """`linear` on a `PackedAffine` equals `linear` on the f32 matrix and the native product on its f32 panels, bit for
     bit, at every row count (the native tiles' 1-64 and XLA's dot beyond); a row's bits do not depend on the others."""
@@ -84,3 +89,22 @@ def test_the_codes_product_gives_the_f32_matrixs_bits_for_any_number_of_rows(K, 
             assert np.array_equal(_bits(got), _bits(whole[:M])), M
     with pytest.raises(ValueError, match="d, m"):
         matmul_affine_packed(x[:1], p.q, p.d[:, :-1], p.m)
+
+
+@pytest.mark.slow  # compiles the library a second time (~15 s)
+@pytest.mark.skipif(not native.available(), reason="the native library did not build here")
+def test_scalar_build_reads_the_codes_as_the_vector_build_does(tmp_path):
+    """The portable build (scalar loop, std::fma) gives the vector build's bits on 8-bit and 4-bit codes."""
+    from builders import scalar_native_library
+
+    handle = scalar_native_library(tmp_path)
+    jax.ffi.register_ffi_target("kvjax_matmul_affine_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked),
+                                platform="cpu")
+    for K, N, qtype in [(576, 192, Q.Q4_1), (96, 128, Q.Q8_0)]:
+        p = pack_affine(_gguf_weights(K, N, qtype))
+        for M in (1, 7, 33):
+            x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
+            out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p.q, p.d, p.m))
+                    for t in (native.MATMUL_AFFINE_PACKED_TARGET, "kvjax_matmul_affine_scalar_test"))
+            assert np.array_equal(_bits(a), _bits(b)), (qtype, M)
