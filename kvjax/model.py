@@ -51,7 +51,8 @@ class Model:
 
     def verify_params(self):
         """`params` in the layout verify-shape forwards read. Where the family packs for the native products
-        (`Family.pack_params`; Llama on a CPU with the native kernel, `pallas_kernels.linear.PackedF32`) that is the
+        (`Family.pack_params`; Llama on a CPU with the native kernel, `pallas_kernels.linear.PackedF32`, or a GGUF
+        model's exact block codes, `pallas_kernels.affine.PackedAffine`) that is the
         loops' layout itself (`loop_params`: fused and packed), so the model keeps one extra copy of its projections,
         not two: the native product computes each output column as one FMA chain over k whatever matrix it sits in, so
         fused and plain, packed and unpacked give the same hidden states at the rows it takes (`F32_NATIVE_ROWS`: every
