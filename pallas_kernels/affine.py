@@ -10,10 +10,11 @@ unless all of them are reproduced exactly, so a weight that is not such a code (
 after an update) keeps its f32 layout: `linear` on a `PackedAffine` multiplies exactly the f32 matrix, never an
 approximation of it.
 
-The forms are tried per block as the formats make them (`FORMS`): symmetric (m = -0, d = max |w| / the top code:
-Q8_0, Q4_0, Q5_0) and asymmetric (m = the block's minimum, code 0; d the f16 nearest (max - min) / the top code: Q4_1,
-Q5_1). A block fits when one of them reproduces all 32 weights. SmolLM2-135M's GGUF (Q4_1 projections, a Q8_0 embedding): every block
-of every matrix fits, the projections with 4-bit codes; its packed loop layout is ~115 MB instead of 538.
+The forms are tried per block as the formats make them, fewest code bits first (`FORMS`): asymmetric (m = the block's
+minimum, code 0; d the f16 nearest (max - min) / the top code: Q4_1, Q5_1) and symmetric (m = -0, d = +-max |w| / the
+top code: Q4_0, Q5_0, Q8_0). A block fits when one of them reproduces all 32 weights. SmolLM2-135M's GGUF (Q4_1
+projections, a Q8_0 embedding): every block of every matrix fits, the projections with 4-bit codes; its packed loop
+layout holds ~115 MB of codes instead of 538 MB of f32 panels.
 """
 
 from __future__ import annotations

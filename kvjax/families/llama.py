@@ -58,8 +58,8 @@ def reads_block_codes(model) -> bool:
     if model.family.pack_params is None or not packed_weights_supported():
         return False
     layers = model.loop_params()["layers"]
-    return bool(layers) and all(isinstance(layers[0].get(k), PackedAffine) for k in ("wqkv", "wo", "w_gate_up",
-                                                                                    "w_down"))
+    projections = ("wqkv", "wo", "w_gate_up", "w_down")  # the fused layout's matrices
+    return bool(layers) and all(isinstance(layers[0].get(k), PackedAffine) for k in projections)
 
 
 LLAMA = Family(

@@ -14,9 +14,10 @@
 // f32 weights: a decode step's row and a verify block's 2-64 rows (`pallas_kernels.linear.F32_NATIVE_ROWS`), the
 // latter by register tiles (below): SmolLM2's verify at 8K, one process against XLA's dot: 9 rows 0.90-0.93x, 17 rows
 // 0.91-0.93x its time. Weights packed in 64-column panels (`MatmulPackedImpl`, below) are read faster still.
-// Block-affine codes (`MatmulAffinePacked`): f32 weights that are exactly int8 codes q with an f32 scale d and offset m
-// per block of 32 k (a GGUF model's Q4_1 / Q8_0 / ... weights once loaded), read as the codes and made in registers as
-// fma(q, d, m) -- the f32 weight itself, so the f32 product's bits at 1.25 bytes per weight.
+// Block-affine codes (`MatmulAffinePacked`): f32 weights that are exactly integer codes q with an f32 scale d and
+// offset m per block of 32 k (a GGUF model's Q4_1 / Q8_0 / ... weights once loaded), read as the codes and made in
+// registers as fma(q, d, m) -- the f32 weight itself, so the f32 product's bits at 1.25 bytes per weight (int8 codes)
+// or 0.75 (4-bit codes two per byte).
 //
 // Tiling: threads take column panels of a group of up to 64 rows (the rows' partial sums, rows x panel f32, stay in
 // L1: 4,096 columns for one row, 160 for 33); within a panel the weights stream in memory order, four weight rows at a
@@ -168,11 +169,12 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
 // vector loaded once per k for the R rows, each x[r, k] broadcast once for the C registers), so the loop is FMAs, not
 // loads and stores of partial sums. The chain per output is the same as `Panel`'s: a plain product at k = 0, then
 // one FMA per k in order, times the column's scale at the end -- the same bits, whichever path and tile ran.
+//
 // Where a tile's weights come from. `Stored<T>`: the weights as stored (f32, or int8 codes / bf16 widened exactly),
 // rows `ldw` elements apart (N for a [K, N] matrix, 64 for a packed panel). `Affine`: int8 codes q of a packed panel
-// with an f32 scale d and offset m per block of kAffineBlock k and column, each weight made in registers as
-// fma(q, d, m) -- exactly the f32 weight the codes stand for (`pallas_kernels.affine`: d * q is exact in f32, so the
-// fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
+// with an f32 scale d and offset m per block of kAffineBlock k and column (`Affine4`: 4-bit codes), each weight made in
+// registers as fma(q, d, m) -- exactly the f32 weight the codes stand for (`pallas_kernels.affine`: d * q is exact in
+// f32, so the fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
 constexpr int64_t kAffineBlock = 32;
 
 template <typename T>
@@ -498,9 +500,9 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
 }
 
 // Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels (or uint8
-// [P, K, 32], 4-bit codes two per byte, `Affine4`), d and m
-// f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is fma(q, d, m) of its block -- the f32 weight itself, so the
-// chains and bits are `MatmulF32Packed`'s on the f32 panels, at 1.25 bytes per weight read instead of 4.
+// [P, K, 32], 4-bit codes two per byte, `Affine4`), d and m f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is
+// fma(q, d, m) of its block -- the f32 weight itself, so the chains and bits are `MatmulF32Packed`'s on the f32
+// panels, at 1.25 (or 0.75) bytes per weight read instead of 4.
 ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
   const bool nibbles = q.element_type() == ffi::DataType::U8;
