@@ -177,17 +177,19 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
 // f32, so the fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
 constexpr int64_t kAffineBlock = 32;
 
-template <typename T>
+template <typename T, int64_t LDW = 0>
 struct Stored {
   const T* w;
-  int64_t ldw;
+  int64_t ldw_ = LDW;
+  static constexpr int64_t kFixed = LDW;
+  int64_t ld() const { if constexpr (LDW > 0) return LDW; else return ldw_; }
   static constexpr int64_t kElemBytes = sizeof(T);
-  const void* Row(int64_t k) const { return w + k * ldw; }
+  const void* Row(int64_t k) const { return w + k * ld(); }
   int64_t Offset(int64_t c) const { return c * kElemBytes; }  // bytes from a row's start to column c
-  float At(int64_t k, int64_t c) const { return Widen(w[k * ldw + c]); }
+  float At(int64_t k, int64_t c) const { return Widen(w[k * ld() + c]); }
 #if KVJAX_AVX2
   template <typename L>
-  typename L::V Load(int64_t k, int64_t c) const { return L::Load(w + k * ldw + c); }
+  typename L::V Load(int64_t k, int64_t c) const { return L::Load(w + k * ld() + c); }
 #endif
 };
 
@@ -250,50 +252,59 @@ struct Affine4 {
 };
 
 #if KVJAX_AVX2
-// Columns [c0, c0 + C * L::kWidth) of `src` for R rows; y's rows are `ldy` floats apart.
-template <typename L, int R, int C, typename Src>
-inline void Tile(const float* x, int64_t ldx, int64_t K, const Src& src, int64_t c0, const float* scale, float* y,
-                 int64_t ldy, int64_t ahead) {
+// Columns [C0, C0 + C * L::kWidth) of `src` for R rows; y's rows are `ldy` floats apart. (C0 is a template argument:
+// every column offset is then a constant, as it was when the tiles read a bare pointer -- with it a runtime argument,
+// the f32 9-row product chain ran 1.10x slower.)
+template <typename L, int R, int C, int C0, typename Src>
+inline void Tile(const float* x, int64_t ldx, int64_t K, const Src& src, const float* scale, float* y, int64_t ldy,
+                 int64_t ahead) {
   using V = typename L::V;
   V acc[R][C];
   {
     V wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(0, c0 + j * L::kWidth);
+    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(0, C0 + j * L::kWidth);
     for (int r = 0; r < R; ++r) {
       const V b = L::Set1(x[r * ldx]);
       for (int j = 0; j < C; ++j) acc[r][j] = L::Mul(b, wv[j]);
     }
   }
   constexpr int64_t kLineElems = 64 / Src::kElemBytes;
-  for (int64_t k = 1; k < K; ++k) {
-    if (k + ahead < K)
-      for (int64_t e = 0; e < C * L::kWidth; e += kLineElems)
-        __builtin_prefetch(static_cast<const char*>(src.Row(k + ahead)) + src.Offset(c0 + e));
+  // One step over k; the prefetching steps and the last `ahead` ones as two loops, not a branch in one: with the branch
+  // GCC stored the 24 accumulators of a 6-row tile to the stack on every step (the f32 9-row product chain 1.10x slower)
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
     V wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(k, c0 + j * L::kWidth);
+    for (int j = 0; j < C; ++j) wv[j] = src.template Load<L>(k, C0 + j * L::kWidth);
     for (int r = 0; r < R; ++r) {
       const V b = L::Set1(x[r * ldx + k]);
       for (int j = 0; j < C; ++j) acc[r][j] = L::Fma(b, wv[j], acc[r][j]);
     }
+  };
+  const int64_t k_pf = std::max<int64_t>(1, K - ahead);
+  int64_t k = 1;
+  for (; k < k_pf; ++k) {
+    for (int64_t e = 0; e < C * L::kWidth; e += kLineElems)
+      __builtin_prefetch(static_cast<const char*>(src.Row(k + ahead)) + src.Offset(C0 + e));
+    step(k);
   }
+  for (; k < K; ++k) step(k);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j)
       L::Store(y + r * ldy + j * L::kWidth, scale ? L::Mul(acc[r][j], L::LoadF(scale + j * L::kWidth)) : acc[r][j]);
 }
 
-template <typename L, int RMax, int C, typename Src>
-inline void Tiles(const float* x, int64_t ldx, int64_t K, const Src& src, int64_t c0, const float* scale, float* y,
-                  int64_t ldy, int64_t M, int64_t ahead) {
+template <typename L, int RMax, int C, int C0, typename Src>
+inline void Tiles(const float* x, int64_t ldx, int64_t K, const Src& src, const float* scale, float* y, int64_t ldy,
+                  int64_t M, int64_t ahead) {
   for (int64_t m0 = 0; m0 < M; m0 += RMax) {
     const float* xm = x + m0 * ldx;
     float* ym = y + m0 * ldy;
     switch (std::min<int64_t>(RMax, M - m0)) {
-      case 1: Tile<L, 1, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
-      case 2: Tile<L, 2, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
-      case 3: if constexpr (RMax >= 3) Tile<L, 3, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
-      case 4: if constexpr (RMax >= 4) Tile<L, 4, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
-      case 5: if constexpr (RMax >= 5) Tile<L, 5, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
-      default: if constexpr (RMax >= 6) Tile<L, 6, C>(xm, ldx, K, src, c0, scale, ym, ldy, ahead); break;
+      case 1: Tile<L, 1, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
+      case 2: Tile<L, 2, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
+      case 3: if constexpr (RMax >= 3) Tile<L, 3, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
+      case 4: if constexpr (RMax >= 4) Tile<L, 4, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
+      case 5: if constexpr (RMax >= 5) Tile<L, 5, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
+      default: if constexpr (RMax >= 6) Tile<L, 6, C, C0>(xm, ldx, K, src, scale, ym, ldy, ahead); break;
     }
   }
 }
@@ -317,7 +328,7 @@ void TilePanel(const float* x, int64_t ldx, const T* w, const float* scale, floa
     constexpr int64_t kBlock = kRegs * L::kWidth;
     const int64_t ahead = std::clamp<int64_t>(4096 / (kBlock * static_cast<int64_t>(sizeof(T))), 4, 32);
     for (; c + kBlock <= n1; c += kBlock)
-      Tiles<L, kRows, kRegs>(x, ldx, K, Stored<T>{w, N}, c, scale ? scale + c : nullptr, y + c, N, M, ahead);
+      Tiles<L, kRows, kRegs, 0>(x, ldx, K, Stored<T>{w + c, N}, scale ? scale + c : nullptr, y + c, N, M, ahead);
 #endif
   }
   if (c < n1) Panel(x, ldx, w, scale, y, M, K, N, c, n1);
@@ -432,10 +443,10 @@ void PackedPanels(const float* x, int64_t ldx, const Panel& panel, int64_t K, co
     const int64_t ahead = std::clamp<int64_t>(4096 / (kPanel * Src::kElemBytes), 16, 64);
 #endif
 #if KVJAX_AVX512
-    Tiles<kvjax_native::Lanes16, 6, 4>(x, ldx, K, src, 0, sp, yp, N, M, ahead);
+    Tiles<kvjax_native::Lanes16, 6, 4, 0>(x, ldx, K, src, sp, yp, N, M, ahead);
 #elif KVJAX_AVX2
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, src, 0, sp, yp, N, M, ahead);
-    Tiles<kvjax_native::Lanes8, 2, 4>(x, ldx, K, src, 32, sp ? sp + 32 : nullptr, yp + 32, N, M, ahead);
+    Tiles<kvjax_native::Lanes8, 2, 4, 0>(x, ldx, K, src, sp, yp, N, M, ahead);
+    Tiles<kvjax_native::Lanes8, 2, 4, 32>(x, ldx, K, src, sp ? sp + 32 : nullptr, yp + 32, N, M, ahead);
 #else
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < kPanel; ++c) {
@@ -481,7 +492,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, f
   static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   const int64_t K = wd[1];
-  return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T>{wp + p * K * 64, 64}; }, scale, y);
+  return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T, 64>{wp + p * K * 64}; }, scale, y);
 }
 
 ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
