@@ -171,18 +171,20 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
 // one FMA per k in order, times the column's scale at the end -- the same bits, whichever path and tile ran.
 //
 // Where a tile's weights come from. `Stored<T>`: the weights as stored (f32, or int8 codes / bf16 widened exactly),
-// rows `ldw` elements apart (N for a [K, N] matrix, 64 for a packed panel). `Affine`: int8 codes q of a packed panel
+// rows N elements apart in a [K, N] matrix, 64 in a packed panel. `Affine`: int8 codes q of a packed panel
 // with an f32 scale d and offset m per block of kAffineBlock k and column (`Affine4`: 4-bit codes), each weight made in
 // registers as fma(q, d, m) -- exactly the f32 weight the codes stand for (`pallas_kernels.affine`: d * q is exact in
 // f32, so the fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
 constexpr int64_t kAffineBlock = 32;
 
-template <typename T, int64_t LDW = 0>
+template <typename T, int64_t LDW = 0>  // LDW > 0: the row stride fixed at compile time (a packed panel's 64)
 struct Stored {
   const T* w;
-  int64_t ldw_ = LDW;
-  static constexpr int64_t kFixed = LDW;
-  int64_t ld() const { if constexpr (LDW > 0) return LDW; else return ldw_; }
+  int64_t ldw_ = LDW;  // the row stride where LDW is 0
+  int64_t ld() const {
+    if constexpr (LDW > 0) return LDW;
+    return ldw_;
+  }
   static constexpr int64_t kElemBytes = sizeof(T);
   const void* Row(int64_t k) const { return w + k * ld(); }
   int64_t Offset(int64_t c) const { return c * kElemBytes; }  // bytes from a row's start to column c
@@ -252,9 +254,8 @@ struct Affine4 {
 };
 
 #if KVJAX_AVX2
-// Columns [C0, C0 + C * L::kWidth) of `src` for R rows; y's rows are `ldy` floats apart. (C0 is a template argument:
-// every column offset is then a constant, as it was when the tiles read a bare pointer -- with it a runtime argument,
-// the f32 9-row product chain ran 1.10x slower.)
+// Columns [C0, C0 + C * L::kWidth) of `src` for R rows; y's rows are `ldy` floats apart. (C0 is a template argument,
+// so every column offset is a constant, as when the tiles read a bare pointer.)
 template <typename L, int R, int C, int C0, typename Src>
 inline void Tile(const float* x, int64_t ldx, int64_t K, const Src& src, const float* scale, float* y, int64_t ldy,
                  int64_t ahead) {
