@@ -30,10 +30,11 @@ PANEL = 64  # columns per panel, as `pallas_kernels.linear.PackedF32`
 
 
 class PackedAffine(NamedTuple):
-    """An f32 `[K, N]` weight as int8 codes `q` [N / 64, K, 64] (in `PackedF32`'s panel order; where every code is in
-    0..15, as Q4_1's, uint8 [N / 64, K, 32], two codes per byte: column j of the panel in byte j's low nibble, column
-    j + 32 in its high one) and per-block f32 scales `d` and offsets `m` [N / 64, K / 32, 64]: weight (k, n) =
-    fma(q, d, m) of its block, exactly the f32 value. A pytree, so jit takes it."""
+    """An f32 `[K, N]` weight as int8 codes `q` [N / 64, K, 64] (in `PackedF32`'s panel order; where every code is
+    4-bit, [N / 64, K, 32], two codes per byte: column j of the panel in byte j's low nibble, column j + 32 in its high
+    one -- uint8 for Q4_1's 0..15, int8 for Q4_0's -8..7 as two's complement nibbles) and per-block f32 scales `d` and
+    offsets `m` [N / 64, K / 32, 64]: weight (k, n) = fma(q, d, m) of its block, exactly the f32 value. A pytree, so
+    jit takes it."""
 
     q: jax.Array
     d: jax.Array
@@ -45,8 +46,8 @@ class PackedAffine(NamedTuple):
 
     @property
     def bits(self) -> int:
-        """Bits per code: 4 (two per byte) or 8."""
-        return 4 if self.q.dtype == jnp.uint8 else 8
+        """Bits per code: 4 (two per byte: `q` [P, K, 32]) or 8."""
+        return 4 if self.q.shape[-1] == PANEL // 2 else 8
 
     @property
     def dtype(self):
@@ -70,15 +71,24 @@ def _fit(v: np.ndarray, d: np.ndarray, m: np.ndarray, lo: int, hi: int):
 
 
 # The forms tried, in order, on the blocks no earlier form fitted, the fewest code bits first (a block may fit
-# several: some of a Q4_1 matrix's fit Q8_0's form, with codes up to 127): (symmetric, top code) -- asymmetric: m = the
-# block's minimum (code 0) and d the f16 nearest (max - min) / top (Q4_1: 15; Q5_1: 31); symmetric: m = -0 and
-# d = +-max |w| / top (Q4_0: 8 and Q5_0: 16, whose scale is the block's signed extreme / -top, so either sign, which a
-# block's zero weights show: d * 0 is -0 for d < 0; Q8_0: 127, d > 0).
-FORMS = ((False, 15), (True, 8), (True, -8), (False, 31), (True, 16), (True, -16), (True, 127))
+# several: some of a Q4_1 matrix's fit Q8_0's form, with codes up to 127): (kind, top code).
+#   "asym": m = the block's minimum (code 0), d the f16 nearest (max - min) / top, codes 0..top (Q4_1: 15; Q5_1: 31);
+#   "extreme": m = -0, d = -(the block's value of largest magnitude) / top, codes -top..top-1 -- how Q4_0 (8) and Q5_0
+#     (16) make their scale, so their codes fit a signed nibble (or 5 bits);
+#   "sym": m = -0, d = +-max |w| / top, codes -top..top (Q8_0: 127, d > 0; a Q4_0 / Q5_0 block "extreme" missed: either
+#     sign, which a block's zero weights show, d * 0 being -0 for d < 0).
+FORMS = (("asym", 15), ("extreme", 8), ("sym", 8), ("sym", -8), ("asym", 31), ("extreme", 16), ("sym", 16),
+         ("sym", -16), ("sym", 127))
 
 
-def _codes(w: np.ndarray):
-    """(q int8 [K, N], d f32 [K/32, N], m f32 [K/32, N]) reproducing `w` exactly, or None."""
+# Whole matrices try these first, so that one format's blocks all get its 4-bit codes (a Q4_0 block whose codes span
+# all 16 values also fits the asymmetric form, with codes 0..15: mixed with its neighbours' -8..7 they would need a
+# byte each): unsigned 4-bit (Q4_1), then signed 4-bit (Q4_0), then every form per block.
+FORM_SETS = ((("asym", 15),), (("extreme", 8),), FORMS)
+
+
+def _codes(w: np.ndarray, forms=FORMS):
+    """(q int8 [K, N], d f32 [K/32, N], m f32 [K/32, N]) reproducing `w` exactly with `forms`, or None."""
     K, N = w.shape
     v = w.reshape(K // BLOCK, BLOCK, N)
     lo, hi = v.min(axis=1), v.max(axis=1)
@@ -87,16 +97,20 @@ def _codes(w: np.ndarray):
     q = np.zeros(v.shape, np.int8)
     d, m = np.zeros_like(lo), np.zeros_like(lo)
     done = np.zeros(lo.shape, bool)
-    for symmetric, top in FORMS:
-        if symmetric:
-            dd = (np.maximum(-lo, hi) / np.float32(top)).astype(np.float32)
-            mm = np.full_like(lo, -0.0)  # x + (-0) == x for every x, +0 included: the product's own sign of zero kept
-            qq, ok = _fit(v, dd, mm, -abs(top), abs(top))
-        else:
+    minus_zero = np.full_like(lo, -0.0)  # x + (-0) == x for every x, +0 included: the product's own sign of zero kept
+    for kind, top in forms:
+        if kind == "asym":
             with np.errstate(over="ignore"):
                 dd = ((hi.astype(np.float64) - lo) / top).astype(np.float16).astype(np.float32)
             mm = lo
             qq, ok = _fit(v, dd, mm, 0, top)
+        elif kind == "extreme":
+            extreme = np.where(hi > -lo, hi, lo)
+            dd, mm = (-extreme / np.float32(top)).astype(np.float32), minus_zero
+            qq, ok = _fit(v, dd, mm, -top, top - 1)
+        else:
+            dd, mm = (np.maximum(-lo, hi) / np.float32(top)).astype(np.float32), minus_zero
+            qq, ok = _fit(v, dd, mm, -abs(top), abs(top))
         take = ok & ~done
         q = np.where(take[:, None, :], qq, q)
         d, m = np.where(take, dd, d), np.where(take, mm, m)
@@ -121,13 +135,18 @@ def pack_affine(w) -> PackedAffine | None:
         return None
     host = np.asarray(w)
     K, N = host.shape
-    parts = []
     step = max(PANEL, (1 << 22) // K // PANEL * PANEL)  # columns per pass: bounded temporaries for a large head
-    for n0 in range(0, N, step):
-        got = _codes(np.ascontiguousarray(host[:, n0:n0 + step]))
-        if got is None:
-            return None
-        parts.append(got)
+    for forms in FORM_SETS:
+        parts = []
+        for n0 in range(0, N, step):
+            got = _codes(np.ascontiguousarray(host[:, n0:n0 + step]), forms)
+            if got is None:
+                break
+            parts.append(got)
+        else:
+            break
+    else:
+        return None
     q, d, m = (np.concatenate(x, axis=1) for x in zip(*parts))
 
     def panels(a):
@@ -135,9 +154,14 @@ def pack_affine(w) -> PackedAffine | None:
         return np.ascontiguousarray(a.reshape(rows, N // PANEL, PANEL).transpose(1, 0, 2))
 
     q = panels(q)
-    if q.min() >= 0 and q.max() <= 15:  # 4-bit codes (Q4_1's): two per byte, column j low and j + 32 high
-        u = q.astype(np.uint8)
+    lo, hi = int(q.min()), int(q.max())
+    if (0 <= lo and hi <= 15) or (-8 <= lo and hi <= 7):
+        # 4-bit codes, two per byte, column j low and j + 32 high: unsigned (Q4_1's 0..15) as uint8, or signed (Q4_0's
+        # -8..7, two's complement nibbles) as int8
+        u = q.astype(np.uint8) & 15
         q = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)
+        if lo < 0:
+            q = q.view(np.int8)
     return PackedAffine(jnp.asarray(q), jnp.asarray(panels(d)), jnp.asarray(panels(m)))
 
 
@@ -147,6 +171,9 @@ def unpack_affine(w: PackedAffine) -> jax.Array:
     P, K, _ = w.q.shape
     d = jnp.repeat(w.d, BLOCK, axis=1)
     m = jnp.repeat(w.m, BLOCK, axis=1)
-    q = jnp.concatenate([w.q & 15, w.q >> 4], axis=2) if w.q.dtype == jnp.uint8 else w.q
+    if w.bits == 4:  # low nibbles then high ones; int8 bytes hold signed nibbles (the shifts are arithmetic)
+        q = jnp.concatenate([jnp.left_shift(w.q, 4) >> 4, w.q >> 4], axis=2)
+    else:
+        q = w.q
     full = q.astype(jnp.float32) * d + m
     return full.transpose(1, 0, 2).reshape(K, P * PANEL)

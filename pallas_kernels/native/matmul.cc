@@ -214,9 +214,10 @@ struct Affine {
 #endif
 };
 
-// `Affine` with 4-bit codes 0..15 (every code of the matrix in that range: Q4_1's), two per byte: byte j of a k's 32
-// holds column j in its low nibble and column j + 32 in its high one -- 0.75 bytes per weight instead of 1.25, the
-// same weights.
+// `Affine` with 4-bit codes, two per byte: byte j of a k's 32 holds column j in its low nibble and column j + 32 in its
+// high one -- 0.75 bytes per weight instead of 1.25, the same weights. Unsigned nibbles 0..15 (Q4_1's codes) or, with
+// `Signed`, two's complement nibbles -8..7 (Q4_0's).
+template <bool Signed>
 struct Affine4 {
   const uint8_t* q;      // [K, 32]
   const float *d, *m;    // [K / kAffineBlock, 64]
@@ -224,9 +225,10 @@ struct Affine4 {
   const void* Row(int64_t k) const { return q + k * 32; }
   int64_t Offset(int64_t c) const { return c % 32; }
   float At(int64_t k, int64_t c) const {
-    const uint8_t byte = q[k * 32 + c % 32];
+    const int nibble = c < 32 ? q[k * 32 + c % 32] & 15 : q[k * 32 + c % 32] >> 4;
+    const int code = Signed ? (nibble ^ 8) - 8 : nibble;
     const int64_t b = k / kAffineBlock * 64 + c;
-    return std::fma(static_cast<float>(c < 32 ? byte & 15 : byte >> 4), d[b], m[b]);
+    return std::fma(static_cast<float>(code), d[b], m[b]);
   }
 #if KVJAX_AVX2
   template <typename L>
@@ -234,19 +236,34 @@ struct Affine4 {
     const int64_t b = k / kAffineBlock * 64 + c;
     return L::Fma(Codes<L>(q + k * 32 + c % 32, c >= 32), L::LoadF(d + b), L::LoadF(m + b));
   }
-  // L::kWidth codes from the low (or high) nibbles of as many bytes at p, as f32
+  // L::kWidth codes from the low (or high) nibbles of as many bytes at p, as f32: unsigned, by a mask or a logical
+  // shift of the zero-extended bytes; signed, by arithmetic shifts of the sign-extended ones
   template <typename L>
   static typename L::V Codes(const uint8_t* p, bool high) {
 #if KVJAX_AVX512
     if constexpr (L::kWidth == 16) {
-      __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      x = high ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      __m512i x;
+      if constexpr (Signed) {
+        x = _mm512_cvtepi8_epi32(bytes);
+        x = high ? _mm512_srai_epi32(x, 4) : _mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28);
+      } else {
+        x = _mm512_cvtepu8_epi32(bytes);
+        x = high ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15));
+      }
       return _mm512_cvtepi32_ps(x);
     }
 #endif
     if constexpr (L::kWidth == 8) {
-      __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-      x = high ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15));
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      __m256i x;
+      if constexpr (Signed) {
+        x = _mm256_cvtepi8_epi32(bytes);
+        x = high ? _mm256_srai_epi32(x, 4) : _mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28);
+      } else {
+        x = _mm256_cvtepu8_epi32(bytes);
+        x = high ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15));
+      }
       return _mm256_cvtepi32_ps(x);
     }
   }
@@ -511,17 +528,19 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
   return MatmulPackedImpl<int8_t>(xla_pool, x, w, scale.typed_data(), y);
 }
 
-// Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels (or uint8
-// [P, K, 32], 4-bit codes two per byte, `Affine4`), d and m f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is
+// Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels (or [P, K, 32],
+// 4-bit codes two per byte, `Affine4`: uint8 unsigned, int8 signed), d and m f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is
 // fma(q, d, m) of its block -- the f32 weight itself, so the chains and bits are `MatmulF32Packed`'s on the f32
 // panels, at 1.25 (or 0.75) bytes per weight read instead of 4.
 ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
-  const bool nibbles = q.element_type() == ffi::DataType::U8;
-  if (!nibbles && q.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("q must be int8 or uint8");
+  const bool unsigned_nibbles = q.element_type() == ffi::DataType::U8;
+  if (!unsigned_nibbles && q.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("q must be int8 or uint8");
   auto qd = q.dimensions(), dd = d.dimensions(), md = m.dimensions();
-  if (qd.size() != 3 || qd[2] != (nibbles ? 32 : 64))
-    return ffi::Error::InvalidArgument("q must be packed [P, K, 64] int8 or [P, K, 32] uint8 (4-bit codes)");
+  const bool nibbles = qd.size() == 3 && qd[2] == 32;
+  if (qd.size() != 3 || (qd[2] != 32 && (unsigned_nibbles || qd[2] != 64)))
+    return ffi::Error::InvalidArgument("q must be packed [P, K, 64] int8, or [P, K, 32] 4-bit codes (uint8 / int8)");
   const int64_t P = qd[0], K = qd[1], B = K / kAffineBlock;
   if (K % kAffineBlock) return ffi::Error::InvalidArgument("q's K must be a multiple of 32");
   for (auto s : {dd, md})
@@ -530,8 +549,12 @@ ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   const float *dp = d.typed_data(), *mp = m.typed_data();
   if (nibbles) {
     const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.untyped_data());
+    if (unsigned_nibbles)
+      return PackedProduct(xla_pool, x, P, K, [=](int64_t p) {
+        return Affine4<false>{qp + p * K * 32, dp + p * B * 64, mp + p * B * 64};
+      }, nullptr, y);
     return PackedProduct(xla_pool, x, P, K, [=](int64_t p) {
-      return Affine4{qp + p * K * 32, dp + p * B * 64, mp + p * B * 64};
+      return Affine4<true>{qp + p * K * 32, dp + p * B * 64, mp + p * B * 64};
     }, nullptr, y);
   }
   const int8_t* qp = reinterpret_cast<const int8_t*>(q.untyped_data());

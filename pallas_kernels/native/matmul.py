@@ -105,15 +105,15 @@ def matmul_int8_packed(x: jax.Array, panels: jax.Array, scale: jax.Array) -> jax
 
 def matmul_affine_packed(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
     """x f32[..., K] @ w -> f32[..., N] for weights stored as packed block-affine codes (`pallas_kernels.affine`):
-    `q` int8[N / 64, K, 64] in `pack_f32`'s panel order (or uint8[N / 64, K, 32], 4-bit codes: byte j of a k holds
-    column j low, j + 32 high), `d` and `m` f32[N / 64, K / 32, 64], weight = fma(q, d, m) of its block of 32 k --
+    `q` int8[N / 64, K, 64] in `pack_f32`'s panel order (or [N / 64, K, 32], 4-bit codes: byte j of a k holds column j
+    low, j + 32 high; uint8 unsigned nibbles, int8 two's complement ones), `d` and `m` f32[N / 64, K / 32, 64], weight = fma(q, d, m) of its block of 32 k --
     exactly the f32 weight, so the same bits as `matmul_f32_packed` on the f32 panels, reading 1.25 (or 0.75) bytes per
     weight instead of 4. RuntimeError / ValueError as `matmul_f32_packed`."""
     _require()
-    width = 32 if q.dtype == jnp.uint8 else 64
-    if q.ndim != 3 or q.shape[2] != width or q.dtype not in (jnp.int8, jnp.uint8) or x.shape[-1] != q.shape[1]:
-        raise ValueError(f"matmul_affine_packed needs x [..., K] and q int8 [P, K, 64] or uint8 [P, K, 32], got "
-                         f"{x.shape} and {q.dtype}{q.shape}")
+    widths = (32,) if q.dtype == jnp.uint8 else (32, 64)
+    if q.ndim != 3 or q.shape[2] not in widths or q.dtype not in (jnp.int8, jnp.uint8) or x.shape[-1] != q.shape[1]:
+        raise ValueError(f"matmul_affine_packed needs x [..., K] and q int8 [P, K, 64] or 4-bit codes [P, K, 32] "
+                         f"(uint8 / int8), got {x.shape} and {q.dtype}{q.shape}")
     want = (q.shape[0], q.shape[1] // 32, 64)
     if q.shape[1] % 32 or d.shape != want or m.shape != want:
         raise ValueError(f"matmul_affine_packed needs K a multiple of 32 and d, m {want}, got K = {q.shape[1]}, "

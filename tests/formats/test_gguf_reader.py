@@ -132,7 +132,7 @@ def test_two_quantisations_of_one_model_never_share_prefix_entries(tmp_path, toy
                                                                       if k != "weights"}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0])
 def test_a_quantised_models_loops_read_its_block_codes_exactly(tmp_path, toy, qtype):
     """A GGUF model's projections are exact block codes once loaded: the loops' layout keeps them as codes
     (`PackedAffine`, a quarter of the f32 bytes or less), the default drafter drafts with them, and the output is still

@@ -29,20 +29,21 @@ def _bits(a):
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("qtype,lo,hi", [(Q.Q4_1, 0, 15), (Q.Q8_0, -127, 127), (Q.Q4_0, -8, 15), (Q.Q5_1, 0, 31),
+@pytest.mark.parametrize("qtype,lo,hi", [(Q.Q4_1, 0, 15), (Q.Q8_0, -127, 127), (Q.Q4_0, -8, 7), (Q.Q5_1, 0, 31),
                                          (Q.Q5_0, -16, 31)])
 def test_gguf_codes_are_found_and_reproduce_every_weight(qtype, lo, hi):
     w = _gguf_weights(576, 192, qtype)
     p = pack_affine(w)
     assert isinstance(p, PackedAffine) and p.shape == (576, 192)
-    nibbles = qtype == Q.Q4_1  # its codes are 0..15: two per byte
+    nibbles = qtype in (Q.Q4_1, Q.Q4_0)  # 4-bit codes, two per byte: Q4_1's unsigned 0..15, Q4_0's signed -8..7
     assert p.bits == (4 if nibbles else 8) and p.q.shape == (3, 576, 32 if nibbles else 64)
+    assert p.q.dtype == (jnp.uint8 if qtype == Q.Q4_1 else jnp.int8)
     assert p.d.shape == p.m.shape == (3, 18, 64) and p.nbytes < w.nbytes / (5 if nibbles else 3)
     np.testing.assert_array_equal(_bits(unpack_affine(p)), _bits(w))
-    q = np.asarray(p.q)
-    if nibbles:
-        q = np.concatenate([q & 15, q >> 4], axis=2)
-    assert lo <= q.astype(np.int32).min() and q.max() <= hi
+    q = np.asarray(p.q).astype(np.int32)
+    if nibbles:  # the bytes' low nibbles then their high ones (int8 bytes: sign-extended, so signed nibbles)
+        q = np.concatenate([(q << 28) >> 28 if qtype == Q.Q4_0 else q & 15, q >> 4], axis=2)
+    assert lo <= q.min() and q.max() <= hi
 
 
 def test_anything_but_exact_codes_is_refused():
@@ -71,7 +72,7 @@ def test_signed_zeros_survive():
 
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 @pytest.mark.parametrize("K,N,qtype", [(576, 960, Q.Q4_1), (1536, 576, Q.Q4_1), (576, 1024, Q.Q8_0),
-                                       (64, 128, Q.Q4_0)])
+                                       (64, 128, Q.Q4_0), (96, 192, Q.Q5_0)])
 def test_the_codes_product_gives_the_f32_matrixs_bits_for_any_number_of_rows(K, N, qtype):
     """`linear` on a `PackedAffine` equals `linear` on the f32 matrix and the native product on its f32 panels, bit for
     bit, at every row count (the native tiles' 1-64 and XLA's dot beyond); a row's bits do not depend on the others."""
@@ -100,7 +101,7 @@ def test_scalar_build_reads_the_codes_as_the_vector_build_does(tmp_path):
     handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_matmul_affine_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked),
                                 platform="cpu")
-    for K, N, qtype in [(576, 192, Q.Q4_1), (96, 128, Q.Q8_0)]:
+    for K, N, qtype in [(576, 192, Q.Q4_1), (96, 128, Q.Q8_0), (64, 128, Q.Q4_0)]:
         p = pack_affine(_gguf_weights(K, N, qtype))
         for M in (1, 7, 33):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
