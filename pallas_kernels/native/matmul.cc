@@ -529,9 +529,9 @@ ffi::Error MatmulI8Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi
 }
 
 // Packed block-affine codes (`pallas_kernels.affine.PackedAffine`): q int8[P, K, 64] as the f32 panels (or [P, K, 32],
-// 4-bit codes two per byte, `Affine4`: uint8 unsigned, int8 signed), d and m f32[P, K / kAffineBlock, 64]; weight (k, c) of panel p is
-// fma(q, d, m) of its block -- the f32 weight itself, so the chains and bits are `MatmulF32Packed`'s on the f32
-// panels, at 1.25 (or 0.75) bytes per weight read instead of 4.
+// 4-bit codes two per byte, `Affine4`: uint8 unsigned, int8 signed), d and m f32[P, K / kAffineBlock, 64]; weight
+// (k, c) of panel p is fma(q, d, m) of its block -- the f32 weight itself, so the chains and bits are
+// `MatmulF32Packed`'s on the f32 panels, at 1.25 (or 0.75) bytes per weight read instead of 4.
 ffi::Error MatmulAffinePacked(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                               ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
   const bool unsigned_nibbles = q.element_type() == ffi::DataType::U8;

@@ -105,10 +105,11 @@ def matmul_int8_packed(x: jax.Array, panels: jax.Array, scale: jax.Array) -> jax
 
 def matmul_affine_packed(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
     """x f32[..., K] @ w -> f32[..., N] for weights stored as packed block-affine codes (`pallas_kernels.affine`):
-    `q` int8[N / 64, K, 64] in `pack_f32`'s panel order (or [N / 64, K, 32], 4-bit codes: byte j of a k holds column j
-    low, j + 32 high; uint8 unsigned nibbles, int8 two's complement ones), `d` and `m` f32[N / 64, K / 32, 64], weight = fma(q, d, m) of its block of 32 k --
-    exactly the f32 weight, so the same bits as `matmul_f32_packed` on the f32 panels, reading 1.25 (or 0.75) bytes per
-    weight instead of 4. RuntimeError / ValueError as `matmul_f32_packed`."""
+    `q` int8[N / 64, K, 64] in `pack_f32`'s panel order, or [N / 64, K, 32] 4-bit codes (byte j of a k holds column
+    j low, j + 32 high; uint8: unsigned nibbles, int8: two's complement ones); `d` and `m` f32[N / 64, K / 32, 64];
+    weight = fma(q, d, m) of its block of 32 k -- exactly the f32 weight, so the same bits as `matmul_f32_packed` on the
+    f32 panels, reading 1.25 (or 0.75) bytes per weight instead of 4. RuntimeError / ValueError as
+    `matmul_f32_packed`."""
     _require()
     widths = (32,) if q.dtype == jnp.uint8 else (32, 64)
     if q.ndim != 3 or q.shape[2] not in widths or q.dtype not in (jnp.int8, jnp.uint8) or x.shape[-1] != q.shape[1]:
