@@ -140,9 +140,8 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
     vdraft = None
     for spec, (name, kw) in drafters:
         comp = family.make_compressor(name, **kw)
-        weights = kw.get("draft_weights", "float32")
-        # the weights the draft reads: the loop layout, or a bf16/int8 copy with its own head
-        dparams = loop if weights == "float32" else draft_params(model, weights)
+        # the weights the draft reads (`draft_params`: the loop layout for float32, or a bf16/int8 copy with its own head)
+        dparams = draft_params(model, kw.get("draft_weights", "float32"))
         dbytes = step_weight_bytes(dparams)
         t = time.perf_counter()
         dc = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))

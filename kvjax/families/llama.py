@@ -47,7 +47,7 @@ def default_drafter_fields(model=None) -> dict:
     if not ok:
         return dict(max_kept=DEFAULT_MAX_KEPT)
     weights = "int8" if jax.default_backend() == "cpu" else "bfloat16"
-    if model is not None and model.family.name == "llama" and reads_block_codes(model):
+    if model is not None and reads_block_codes(model):
         weights = "float32"
     return dict(max_kept=DEFAULT_MAX_KEPT, draft_dtype="bfloat16", draft_weights=weights)
 

@@ -177,21 +177,17 @@ void Panel(const float* x, int64_t ldx, const T* w, const float* scale, float* y
 // f32, so the fused rounding is the plain sum's), so a tile multiplies the same values as with the f32 matrix.
 constexpr int64_t kAffineBlock = 32;
 
-template <typename T, int64_t LDW = 0>  // LDW > 0: the row stride fixed at compile time (a packed panel's 64)
+template <typename T>
 struct Stored {
   const T* w;
-  int64_t ldw_ = LDW;  // the row stride where LDW is 0
-  int64_t ld() const {
-    if constexpr (LDW > 0) return LDW;
-    return ldw_;
-  }
+  int64_t ldw;
   static constexpr int64_t kElemBytes = sizeof(T);
-  const void* Row(int64_t k) const { return w + k * ld(); }
+  const void* Row(int64_t k) const { return w + k * ldw; }
   int64_t Offset(int64_t c) const { return c * kElemBytes; }  // bytes from a row's start to column c
-  float At(int64_t k, int64_t c) const { return Widen(w[k * ld() + c]); }
+  float At(int64_t k, int64_t c) const { return Widen(w[k * ldw + c]); }
 #if KVJAX_AVX2
   template <typename L>
-  typename L::V Load(int64_t k, int64_t c) const { return L::Load(w + k * ld() + c); }
+  typename L::V Load(int64_t k, int64_t c) const { return L::Load(w + k * ldw + c); }
 #endif
 };
 
@@ -510,7 +506,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, f
   static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   const int64_t K = wd[1];
-  return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T, 64>{wp + p * K * 64}; }, scale, y);
+  return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T>{wp + p * K * 64, 64}; }, scale, y);
 }
 
 ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
