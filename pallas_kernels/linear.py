@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import native
 from pallas_kernels.affine import PackedAffine, unpack_affine
+from pallas_kernels.int_dot import IntDotCodes, int_dot_reference
 
 
 class Int8Weight(NamedTuple):
@@ -171,6 +172,12 @@ def linear(x: jax.Array, w) -> jax.Array:
     # the calls of f32 weights the native product takes: one predicate for plain and packed weights (the same bits)
     f32_native = (native_cpu and x.dtype == jnp.float32
                   and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1])
+    if isinstance(w, IntDotCodes):  # a draft's lossy product (`pallas_kernels.int_dot`)
+        if native_cpu and x.dtype == jnp.float32:
+            from pallas_kernels.native.matmul import matmul_int_dot  # noqa: PLC0415 - only where the library built
+
+            return matmul_int_dot(x, w.q, w.d, w.m)
+        return int_dot_reference(x, w)
     if isinstance(w, PackedAffine):  # exactly an f32 matrix (`pallas_kernels.affine`): its bits, fewer bytes read
         if f32_native:
             from pallas_kernels.native.matmul import matmul_affine_packed  # noqa: PLC0415 - where the library built

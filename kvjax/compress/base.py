@@ -67,7 +67,7 @@ def sinks_and_recent(length: jax.Array, sinks: int, recent: int) -> jax.Array:
 
 
 DRAFT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-DRAFT_WEIGHTS = ("float32", "bfloat16", "int8")  # the weights a draft reads (`kvjax.decode.draft_weights`)
+DRAFT_WEIGHTS = ("float32", "bfloat16", "int8", "int_dot")  # what a draft reads (`kvjax.decode.draft_weights`)
 
 
 def sparse_part(form, pos: jax.Array, dtype: str = "float32", gather=gather_tokens) -> SparseKV:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.int_dot import int_dot_codes
 from pallas_kernels.linear import PANEL, pack_int8, packed_weights_supported, quantize_int8
 from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
@@ -48,14 +49,30 @@ def _int8(w):
     return q
 
 
+def _int_dot_params(model):
+    """The loops' params with every 4-bit code matrix in the integer-dot layout (`pallas_kernels.int_dot`); the rest
+    (the head's 8-bit codes, norms, the embedding) shared with the loops. InputError unless the projections are 4-bit
+    block codes (a GGUF Q4_0 / Q4_1 model on the CPU)."""
+    params = model.loop_params()
+    layers = []
+    for layer in params["layers"]:
+        codes = {k: int_dot_codes(layer[k]) for k in _PROJECTIONS if k in layer}
+        if not codes or any(c is None for c in codes.values()):
+            raise InputError("draft_weights='int_dot' needs a model whose loops read 4-bit block codes (a GGUF "
+                             "Q4_0 / Q4_1 model on the CPU, `kvjax.families.llama.reads_block_codes`)")
+        layers.append({**layer, **codes})
+    return dict(params, layers=tuple(layers))
+
+
 def draft_params(model, weights: str = "float32"):
     """The params drafting reads: for "float32" the model's own weights in the loops' layout (`Model.loop_params()`:
     fused, and on CPU packed -- a GGUF model's as its exact block codes, `pallas_kernels.affine`; shared with
     verification, so no extra copy); for "bfloat16" a fused bf16 copy, for "int8" fused
     int8 codes with a scale per output column (`pallas_kernels.linear.Int8Weight`; on CPU packed in 64-column panels,
-    `PackedInt8`), either made on first use and then kept while the model's params hold the same arrays (a weight
-    replaced anywhere in the tree makes it again); InputError (`check_draft_weights`) for any other name or where this
-    family or platform cannot draft with it."""
+    `PackedInt8`); for "int_dot" a GGUF model's 4-bit codes in the integer-dot layout, multiplied with int16-quantised
+    rows (`pallas_kernels.int_dot`: lossy, a draft's only); each made on first use and then kept while the model's
+    params hold the same arrays (a weight replaced anywhere in the tree makes it again); InputError
+    (`check_draft_weights`) for any other name or where this family, model or platform cannot draft with it."""
     if weights == "float32":
         return model.loop_params()
     check_draft_weights(weights, model.family.name)
@@ -64,12 +81,20 @@ def draft_params(model, weights: str = "float32"):
     hit = _cache.get(key)
     if hit is not None:
         return hit[1]
+    if weights == "int_dot":
+        out = _int_dot_params(model)
+        _remember(key, leaves, out)
+        return out
     params = model.family.loop_params(model.params)
     store = _int8 if weights == "int8" else (lambda w: jnp.asarray(w, jnp.bfloat16))
     layers = tuple({k: (store(v) if k in _PROJECTIONS else v) for k, v in layer.items()} for layer in params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     out = dict(params, layers=layers, lm_head=store(head))
+    _remember(key, leaves, out)
+    return out
+
+
+def _remember(key, leaves, out) -> None:
     if len(_cache) >= 4:  # a process rarely holds more than a model or two; never grow without bound
         _cache.pop(next(iter(_cache)))
     _cache[key] = (leaves, out)
-    return out

@@ -29,7 +29,7 @@ from kvjax.decode import refresh as refresh_mod
 from kvjax.decode import sampling, steps
 from kvjax.decode import verify as verify_mod
 from kvjax.decode.draft_length import make_policy
-from kvjax.decode.draft_weights import check_draft_weights, draft_params
+from kvjax.decode.draft_weights import draft_params
 from kvjax.decode.metrics import RunMetrics
 from kvjax.errors import InputError
 
@@ -104,7 +104,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
     if rejection and sampling.as_sampling(temperature).greedy:
         raise InputError("rejection sampling needs temperature > 0")
     comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
-    check_draft_weights(getattr(comp, "draft_weights", "float32"), model.family.name)
+    draft_params(model, getattr(comp, "draft_weights", "float32"))  # checked (and made once) before any compute
     xs = _draft_lengths(model, draft_len, adaptive)
     full, first, first_logits = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
                                             temperature=temperature, seed=seed, return_logits=True)

@@ -16,6 +16,7 @@ from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_fr
 from kvjax.models.llama.layers import fuse_projections, pack_projections
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
 from pallas_kernels.affine import PackedAffine
+from pallas_kernels.int_dot import int_dot_fast
 from pallas_kernels.linear import packed_weights_supported
 
 
@@ -42,14 +43,24 @@ def default_drafter_fields(model=None) -> dict:
     A `model` whose loops read its weights as their exact block codes (a GGUF model on the CPU,
     `pallas_kernels.affine`: ~1.25 bytes per weight, about int8's) drafts with those weights themselves: as cheap to
     read, shared with verification (no copy), and the exact model's guesses. SmolLM2 (Q4_1) at 8K, the README main
-    command, one after the other: 48.1 tokens/s, 7.53 accepted per round of 8, against int8 codes' 42.7 and 6.53."""
+    command, one after the other: 48.1 tokens/s, 7.53 accepted per round of 8, against int8 codes' 42.7 and 6.53.
+    Where those codes are all 4-bit and the CPU has VNNI, by integer dot products with int16-quantised rows
+    (`draft_weights="int_dot"`, `pallas_kernels.int_dot`): SmolLM2 at 8K, the same command, interleaved in one
+    process: 60.0-61.4 tokens/s against the exact codes' 54.9-56.5, the same 7.53 accepted per round of 8."""
     ok, _ = pallas_kernels.bf16_weights_supported()
     if not ok:
         return dict(max_kept=DEFAULT_MAX_KEPT)
     weights = "int8" if jax.default_backend() == "cpu" else "bfloat16"
     if model is not None and reads_block_codes(model):
-        weights = "float32"
+        weights = "int_dot" if _int_dot_drafts(model) else "float32"
     return dict(max_kept=DEFAULT_MAX_KEPT, draft_dtype="bfloat16", draft_weights=weights)
+
+
+def _int_dot_drafts(model) -> bool:
+    """Whether a draft of `model` is cheaper by integer dot products here: every projection 4-bit codes, and the
+    CPU's VNNI instructions there (`pallas_kernels.int_dot`)."""
+    projections = ("wqkv", "wo", "w_gate_up", "w_down")
+    return int_dot_fast() and all(layer[k].bits == 4 for layer in model.loop_params()["layers"] for k in projections)
 
 
 def reads_block_codes(model) -> bool:

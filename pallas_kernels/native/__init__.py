@@ -1,6 +1,7 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
-(`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`) and products
-with bf16 weights or int8 codes (`matmul.cc`, `native.matmul.matmul_bf16` / `matmul_int8`: what a draft reads).
+(`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
+with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), and a draft's lossy products of 4-bit
+codes with int8-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc")  # compiled into one library
+SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc")  # one library
 HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
@@ -44,6 +45,7 @@ MATMUL_I8_TARGET = "kvjax_matmul_int8"  # matmul.cc's int8-code product (`native
 MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with panel-packed f32 weights
 MATMUL_I8_PACKED_TARGET = "kvjax_matmul_int8_packed"  # ... and with panel-packed int8 codes
 MATMUL_AFFINE_PACKED_TARGET = "kvjax_matmul_affine_packed"  # ... and with packed block-affine codes (exact f32 weights)
+MATMUL_INT_DOT_TARGET = "kvjax_matmul_int_dot"  # int_dot.cc: 4-bit codes x int8-quantised rows (a draft's, lossy)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -132,16 +134,20 @@ def _build() -> dict:
                                         platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_AFFINE_PACKED_TARGET,
                                         jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked), platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_INT_DOT_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulIntDot),
+                                        platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue
         _handles.append(handle)
-        return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width())
+        return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width(),
+                    int_dot_vnni=bool(handle.kvjax_native_int_dot_vnni()))
     return dict(ok=False, reason="build failed: " + " | ".join(errors))
 
 
 def status() -> dict:
-    """Build/load status: `ok`, and either `library`, `flags`, `vector_width` (8 = AVX2+FMA path) or `reason`."""
+    """Build/load status: `ok`, and either `library`, `flags`, `vector_width` (8 = AVX2+FMA path), `int_dot_vnni`
+    (whether `int_dot.cc`'s integer dot products run as AVX-512 VNNI instructions) or `reason`."""
     with _lock:
         if not _state:
             _state.update(_build())

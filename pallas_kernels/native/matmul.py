@@ -121,3 +121,20 @@ def matmul_affine_packed(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array)
                          f"{d.shape}, {m.shape}")
     call = _call(native.MATMUL_AFFINE_PACKED_TARGET, x, q.shape[0] * 64)
     return call(x.astype(jnp.float32), q, d.astype(jnp.float32), m.astype(jnp.float32))
+
+
+def matmul_int_dot(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
+    """x f32[..., K] times 4-bit codes by integer dot products -> f32[..., N] (`pallas_kernels.int_dot`: `q`
+    uint8[N / 64, K / 2, 64] in its pair layout, `d` and `m` f16[N / 64, K / 32, 64]); each row quantised to int16 per
+    block of 32 k inside the call, so the result is `int_dot_reference`'s up to f32 rounding, not the exact product.
+    RuntimeError where the library is not available; ValueError for other shapes."""
+    _require()
+    if q.ndim != 3 or q.shape[2] != 64 or q.dtype != jnp.uint8 or x.shape[-1] != 2 * q.shape[1]:
+        raise ValueError(f"matmul_int_dot needs x [..., K] and q uint8 [P, K / 2, 64], got {x.shape} and "
+                         f"{q.dtype}{q.shape}")
+    want = (q.shape[0], 2 * q.shape[1] // 32, 64)
+    if (2 * q.shape[1]) % 32 or d.shape != want or m.shape != want:
+        raise ValueError(f"matmul_int_dot needs K a multiple of 32 and d, m {want}, got K = {2 * q.shape[1]}, "
+                         f"{d.shape}, {m.shape}")
+    call = _call(native.MATMUL_INT_DOT_TARGET, x, q.shape[0] * 64)
+    return call(x.astype(jnp.float32), q, d.astype(jnp.float16), m.astype(jnp.float16))

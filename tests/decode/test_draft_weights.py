@@ -11,6 +11,7 @@ import pytest
 import kvjax
 from kvjax.compress import make_compressor
 from kvjax.decode.draft_weights import check_draft_weights, draft_params
+from kvjax.decode import vericache as vericache_mod
 from kvjax.remote import prefix_entry as pe
 from pallas_kernels import native
 from pallas_kernels.linear import Int8Weight, PackedInt8, dequantize_int8, packed_weights_supported, unpack_int8
@@ -71,7 +72,7 @@ def test_int8_draft_params_are_codes_and_scales_per_output_column(hf_model_dir):
     assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size)
 
 
-def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
+def test_bad_draft_weights_and_the_draft_identity(hf_model_dir, monkeypatch):
     m = kvjax.load(hf_model_dir("llama")[1])
     with pytest.raises(ValueError, match="draft_weights must be one of"):
         kvjax.generate_vericache(m, _prompt(), 4, compressor="snapkv", compressor_kw=dict(draft_weights="int3"))
@@ -79,6 +80,12 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir):
         check_draft_weights("int4")
     with pytest.raises(kvjax.InputError, match="llama family"):
         check_draft_weights("bfloat16", "deepseek_v4")
+    # integer-dot drafts read 4-bit block codes (a GGUF model's): a model of f32 weights is told so before any compute
+    calls = []
+    monkeypatch.setattr(vericache_mod, "prefill_for", lambda *a, **k: calls.append(a))
+    with pytest.raises(kvjax.InputError, match="4-bit block codes"):
+        kvjax.generate_vericache(m, _prompt(), 4, compressor_kw=dict(draft_weights="int_dot"))
+    assert not calls
     # the weights drafting reads do not change the draft cache's keys and values: same stored-draft identity
     c = make_compressor("snapkv")
     assert pe.draft_identity(c, 64) == pe.draft_identity(dataclasses.replace(c, draft_weights="bfloat16"), 64)

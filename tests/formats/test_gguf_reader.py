@@ -139,6 +139,7 @@ def test_a_quantised_models_loops_read_its_block_codes_exactly(tmp_path, toy, qt
     the full-cache decoder's bit for bit; a model of unquantised weights keeps f32 panels and int8 draft codes."""
     from kvjax.families.llama import default_drafter_fields, reads_block_codes
     from pallas_kernels.affine import PackedAffine, unpack_affine
+    from pallas_kernels.int_dot import int_dot_fast
     from pallas_kernels.linear import packed_weights_supported
 
     write_model(tmp_path / "m.gguf", toy, tied=True, one_type=qtype)
@@ -150,13 +151,20 @@ def test_a_quantised_models_loops_read_its_block_codes_exactly(tmp_path, toy, qt
     assert reads_block_codes(m) and not reads_block_codes(toy)
     assert isinstance(codes, PackedAffine) and codes.nbytes * 3 < f32.nbytes
     np.testing.assert_array_equal(np.asarray(unpack_affine(codes)), np.asarray(f32))
-    assert default_drafter_fields(m)["draft_weights"] == "float32"
+    # 4-bit codes draft by integer dot products where the CPU has them (`pallas_kernels.int_dot`), else exactly
+    four_bit = qtype in (Q.Q4_1, Q.Q4_0)
+    assert default_drafter_fields(m)["draft_weights"] == ("int_dot" if four_bit and int_dot_fast() else "float32")
     assert default_drafter_fields(toy)["draft_weights"] == "int8"
     ids = [2, 3, 4, 5, 6, 7, 8, 9, 2, 4, 6, 8]
     ref = kvjax.reference_decode(m, ids, 12, draft_len=4, return_logits=True)
     got = kvjax.generate_vericache(m, ids, 12, draft_len=4, ignore_eos=True, return_logits=True)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     np.testing.assert_array_equal(got.logits, ref.logits)
+    if four_bit:  # the integer-dot draft asked for by name (on any CPU: without VNNI its portable loop)
+        dot = kvjax.generate_vericache(m, ids, 12, draft_len=4, ignore_eos=True, return_logits=True,
+                                       compressor_kw=dict(draft_weights="int_dot"))
+        np.testing.assert_array_equal(dot.tokens, ref.tokens)
+        np.testing.assert_array_equal(dot.logits, ref.logits)
     plain = kvjax.generate(m, ids, 12, ignore_eos=True)  # the one-token loop on the codes
     np.testing.assert_array_equal(plain.tokens, ref.tokens)
 
