@@ -8,7 +8,10 @@ quantizes the draft's cache for the same reason.
 
 The bf16 copy is made once per model and kept (half the f32 weights' bytes), fused the way the one-token loops read
 them (`family.loop_params`) and with the output head as its own [H, V] matrix; its products go through
-`pallas_kernels.linear` (the native kernel on CPU reads bf16 directly; XLA:CPU would convert to f32 first).
+`pallas_kernels.linear` (the native kernel on CPU reads bf16 directly; XLA:CPU would convert to f32 first). int8 codes
+("int8") are a quarter of f32's bytes; a GGUF model's own 4-bit codes are drafted exactly ("float32": the loops' layout)
+or by integer dot products with int16-rounded rows ("int_dot", `pallas_kernels.int_dot`: the same codes, fewer
+instructions per weight).
 """
 
 from __future__ import annotations
