@@ -84,14 +84,16 @@ def unpack_codes(w: IntDotCodes) -> jax.Array:
 def int_dot_reference(x: jax.Array, w: IntDotCodes) -> jax.Array:
     """The product `native.matmul.matmul_int_dot` computes, x f32[..., K] -> f32[..., N]: per row and block of 32 k,
     xs = max |x| / 32767 and xq = round(x * (32767 / max |x|)) (0 for an all-zero block); y = the sum over blocks of
-    d * xs * (codes . xq, exact) + m * (the block's sum of x)."""
+    d * xs * (codes . xq, exact) + m * (the block's sum of x); a block holding NaN or inf makes its row NaN."""
     K, N = w.shape
     lead = x.shape[:-1]
     xb = x.reshape(-1, K // BLOCK, BLOCK).astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    inv = jnp.where(amax > 0, jnp.float32(TOP) / jnp.where(amax > 0, amax, 1), 0)
-    xq = jnp.round(xb * inv[..., None]).astype(jnp.int32)
-    xs, xsum = amax / jnp.float32(TOP), jnp.sum(xb, axis=-1)
+    finite = jnp.all(jnp.isfinite(xb), axis=-1)
+    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0), axis=-1)
+    inv = jnp.where(finite & (amax > 0), jnp.float32(TOP) / jnp.where(amax > 0, amax, 1), 0)
+    xq = jnp.round(jnp.where(finite[..., None], xb, 0) * inv[..., None]).astype(jnp.int32)
+    xs = jnp.where(finite, amax / jnp.float32(TOP), jnp.nan)
+    xsum = jnp.sum(xb, axis=-1)
     codes = unpack_codes(w).astype(jnp.int32).reshape(K // BLOCK, BLOCK, N)
     isum = jnp.einsum("mbk,bkn->mbn", xq, codes)  # exact in int32: |sum| <= 32 * 15 * 32767
     d = w.d.astype(jnp.float32).transpose(1, 0, 2).reshape(K // BLOCK, N)

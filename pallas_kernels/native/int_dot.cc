@@ -9,8 +9,8 @@
 // Semantics (`pallas_kernels.int_dot.int_dot_reference`): for each row r and block b of 32 k, amax = max |x[r, k]|,
 // xs = amax / 32767, xq[k] = rint(x[r, k] * (32767 / amax)) (0 where amax = 0), xsum = the block's sum of x in k
 // order; then y[r, n] = sum over b in order of fma(m[b, n], xsum, fma(d[b, n] * xs, (sum_k q[k, n] * xq[k]), .)), the
-// integer sum exact. Lossy (the row's quantisation, ~1e-5 relative): for drafts only, never for what verification
-// reads.
+// integer sum exact; a block holding NaN or inf makes its row NaN. Lossy (the row's quantisation, ~1e-5 relative): for
+// drafts only, never for what verification reads.
 //
 // Layout of q (`pallas_kernels.int_dot.int_dot_codes` makes it from a `PackedAffine`'s 4-bit panels): panel p, k pair
 // g (k = 2g, 2g + 1): 64 bytes; byte 32s + 2i + j holds, in its low nibble, the code of column 16s + i at k = 2g + j
@@ -67,15 +67,18 @@ QuantRows Quantise(const float* x, int64_t M, int64_t K) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + r * K + b * kBlock;
       float amax = 0.0f, s = 0.0f;
+      bool finite = true;
       for (int64_t i = 0; i < kBlock; ++i) {
+        finite = finite && std::isfinite(xb[i]);
         amax = std::max(amax, std::fabs(xb[i]));
         s += xb[i];
       }
-      const float inv = amax > 0.0f ? kTop / amax : 0.0f;
+      // a block holding NaN or inf: codes 0 and a NaN scale, so the row's results are NaN (never a cast of NaN)
+      const float inv = finite && amax > 0.0f ? kTop / amax : 0.0f;
       int16_t q[kBlock];
-      for (int64_t i = 0; i < kBlock; ++i) q[i] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+      for (int64_t i = 0; i < kBlock; ++i) q[i] = finite ? static_cast<int16_t>(std::nearbyint(xb[i] * inv)) : 0;
       std::memcpy(Q.pairs.data() + r * K / 2 + b * kBlock / 2, q, sizeof(q));
-      Q.scale[r * B + b] = amax / kTop;
+      Q.scale[r * B + b] = finite ? amax / kTop : NAN;
       Q.sum[r * B + b] = s;
     }
   return Q;

@@ -85,6 +85,11 @@ def test_native_kernel_matches_its_definition_for_any_number_of_rows(K, N, qtype
         np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
         np.testing.assert_array_equal(got, whole[:M])  # a row's result does not depend on the others
     np.testing.assert_array_equal(whole[2], 0)
+    bad = x[:3].at[1, 40].set(jnp.nan).at[2, 7].set(jnp.inf)  # non-finite rows give NaN, and only their own rows
+    got = np.asarray(matmul_int_dot(bad, c.q, c.d, c.m))
+    assert np.isnan(got[1]).all() and np.isnan(got[2]).all()
+    assert np.isnan(np.asarray(int_dot_reference(bad, c))[1:]).all()
+    np.testing.assert_array_equal(got[0], whole[0])
     batched = np.asarray(matmul_int_dot(x[:6].reshape(2, 3, K), c.q, c.d, c.m))  # leading dimensions
     np.testing.assert_array_equal(batched.reshape(6, N), whole[:6])
 
