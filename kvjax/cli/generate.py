@@ -472,12 +472,12 @@ def register(sub) -> None:
                         "where read directly; bfloat16: half the bytes)")
     v.add_argument("--draft-weights", choices=("float32", "bfloat16", "int8", "int_dot"),
                    help="weights the draft reads (default: float32 with a named --compressor; the default drafter's "
-                        "int8 on CPU where the native kernel builds -- int_dot or float32 for a GGUF model, whose loops "
-                        "read its exact block codes --, bfloat16 on GPU/TPU; bfloat16: a bf16 copy, half the bytes per draft "
-                        "token; int8: codes with a scale per output column, a quarter; int_dot: a GGUF model's 4-bit "
-                        "codes times int8-quantised rows by integer dot products, the default drafter's for such a "
-                        "model where the CPU has them; verification keeps the exact weights, so the output is "
-                        "unchanged)")
+                        "int8 on CPU where the native kernel builds -- int_dot or float32 for a GGUF model, whose "
+                        "loops read its exact block codes --, bfloat16 on GPU/TPU; bfloat16: a bf16 copy, half the "
+                        "bytes per draft token; int8: codes with a scale per output column, a quarter; int_dot: a GGUF "
+                        "model's 4-bit codes times int16-rounded rows by integer dot products, the default drafter's "
+                        "for such a model where the CPU has them; verification keeps the exact weights, so the output "
+                        "is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

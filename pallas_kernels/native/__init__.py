@@ -1,7 +1,7 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
 (`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), and a draft's lossy products of 4-bit
-codes with int8-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`).
+codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -45,7 +45,7 @@ MATMUL_I8_TARGET = "kvjax_matmul_int8"  # matmul.cc's int8-code product (`native
 MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with panel-packed f32 weights
 MATMUL_I8_PACKED_TARGET = "kvjax_matmul_int8_packed"  # ... and with panel-packed int8 codes
 MATMUL_AFFINE_PACKED_TARGET = "kvjax_matmul_affine_packed"  # ... and with packed block-affine codes (exact f32 weights)
-MATMUL_INT_DOT_TARGET = "kvjax_matmul_int_dot"  # int_dot.cc: 4-bit codes x int8-quantised rows (a draft's, lossy)
+MATMUL_INT_DOT_TARGET = "kvjax_matmul_int_dot"  # int_dot.cc: 4-bit codes x int16-quantised rows (a draft's, lossy)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
