@@ -137,9 +137,14 @@ def native_attention_case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_hea
     return q, k, v, q_pos, jnp.asarray(k_pos)
 
 
+_scalar_handles: list = []  # the scalar build, compiled once per test process (~15 s each time)
+
+
 def scalar_native_library(directory):
     """The native library built without -march=native (the scalar path every machine can run), loaded with ctypes,
-    for tests that compare it with the vector build bit for bit; skips where the active build is the scalar one."""
+    for tests that compare it with the vector build bit for bit; skips where the active build is the scalar one.
+    Compiled into `directory` by the first test of the process that asks, then shared (the sources do not change
+    within a run)."""
     import ctypes
     from pathlib import Path
 
@@ -149,12 +154,25 @@ def scalar_native_library(directory):
 
     if native.status().get("vector_width") != 8:
         pytest.skip("this machine's build is the scalar one already")
-    lib = Path(directory) / "scalar.so"
-    err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
-    assert err is None, err
-    handle = ctypes.cdll.LoadLibrary(str(lib))
-    assert handle.kvjax_native_vector_width() == 1
-    return handle
+    if not _scalar_handles:
+        lib = Path(directory) / "scalar.so"
+        err = native._compile(native._compiler(), list(native.FLAG_SETS[-1]), lib)
+        assert err is None, err
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+        assert handle.kvjax_native_vector_width() == 1
+        _scalar_handles.append(handle)
+    return _scalar_handles[0]
+
+
+def gguf_weights(K, N, qtype, seed=0):
+    """An f32 [K, N] matrix as a GGUF file holds it after loading: [N, K] rows quantised in blocks of 32 along K by the
+    gguf package (`qtype`, a `gguf.GGMLQuantizationType`), dequantised to f32 (what `kvjax.formats` does), transposed
+    to kvjax's [in, out]."""
+    import gguf
+
+    a = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    back = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+    return np.ascontiguousarray(np.asarray(back, np.float32).reshape(N, K).T)
 
 
 def compile_count(jitted) -> int:

@@ -16,13 +16,7 @@ from pallas_kernels.linear import pack_f32
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-
-def _gguf_weights(K, N, qtype, seed=0):
-    """An f32 [K, N] matrix as a GGUF file holds it after loading: [N, K] rows quantised in blocks of 32 along K by the
-    gguf package, dequantised to f32 (what `kvjax.formats` does), transposed to kvjax's [in, out]."""
-    a = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    back = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
-    return np.ascontiguousarray(np.asarray(back, np.float32).reshape(N, K).T)
+from builders import gguf_weights  # noqa: E402
 
 
 def _bits(a):
@@ -32,7 +26,7 @@ def _bits(a):
 @pytest.mark.parametrize("qtype,lo,hi", [(Q.Q4_1, 0, 15), (Q.Q8_0, -127, 127), (Q.Q4_0, -8, 7), (Q.Q5_1, 0, 31),
                                          (Q.Q5_0, -16, 31)])
 def test_gguf_codes_are_found_and_reproduce_every_weight(qtype, lo, hi):
-    w = _gguf_weights(576, 192, qtype)
+    w = gguf_weights(576, 192, qtype)
     p = pack_affine(w)
     assert isinstance(p, PackedAffine) and p.shape == (576, 192)
     nibbles = qtype in (Q.Q4_1, Q.Q4_0)  # 4-bit codes, two per byte: Q4_1's unsigned 0..15, Q4_0's signed -8..7
@@ -49,21 +43,21 @@ def test_gguf_codes_are_found_and_reproduce_every_weight(qtype, lo, hi):
 def test_anything_but_exact_codes_is_refused():
     rng = np.random.default_rng(1)
     assert pack_affine(rng.standard_normal((64, 64)).astype(np.float32)) is None  # a trained model's weights
-    w = _gguf_weights(64, 64, Q.Q4_1)
+    w = gguf_weights(64, 64, Q.Q4_1)
     w[17, 3] = np.nextafter(w[17, 3], np.float32(1))  # one weight one ulp off its code
     assert pack_affine(w) is None
-    w = _gguf_weights(64, 64, Q.Q4_1)
+    w = gguf_weights(64, 64, Q.Q4_1)
     w[0, 0] = np.nan
     assert pack_affine(w) is None
-    assert pack_affine(_gguf_weights(64, 64, Q.Q4_1)[:, :32]) is None  # N not a multiple of 64
-    assert pack_affine(_gguf_weights(64, 64, Q.Q4_1)[:48]) is None  # K not a multiple of 32
-    assert pack_affine(jnp.asarray(_gguf_weights(64, 64, Q.Q4_1), jnp.bfloat16)) is None
+    assert pack_affine(gguf_weights(64, 64, Q.Q4_1)[:, :32]) is None  # N not a multiple of 64
+    assert pack_affine(gguf_weights(64, 64, Q.Q4_1)[:48]) is None  # K not a multiple of 32
+    assert pack_affine(jnp.asarray(gguf_weights(64, 64, Q.Q4_1), jnp.bfloat16)) is None
     traced = jax.jit(lambda a: jnp.zeros(()) if pack_affine(a) is None else jnp.ones(()))
-    assert float(traced(jnp.asarray(_gguf_weights(64, 64, Q.Q4_1)))) == 0.0  # a tracer's values are unknown
+    assert float(traced(jnp.asarray(gguf_weights(64, 64, Q.Q4_1)))) == 0.0  # a tracer's values are unknown
 
 
 def test_signed_zeros_survive():
-    w = _gguf_weights(64, 64, Q.Q8_0)
+    w = gguf_weights(64, 64, Q.Q8_0)
     w[:32, 0] = -0.0  # a whole block of -0 (d * q with d > 0, q = 0 gives +0; these stay -0 or refuse)
     p = pack_affine(w)
     if p is not None:
@@ -78,7 +72,7 @@ def test_the_codes_product_gives_the_f32_matrixs_bits_for_any_number_of_rows(K, 
     bit, at every row count (the native tiles' 1-64 and XLA's dot beyond); a row's bits do not depend on the others."""
     from pallas_kernels.native.matmul import matmul_affine_packed, matmul_f32_packed
 
-    w = _gguf_weights(K, N, qtype, seed=K + N)
+    w = gguf_weights(K, N, qtype, seed=K + N)
     p, f = pack_affine(w), pack_f32(jnp.asarray(w))
     x = jnp.asarray(np.random.default_rng(K).standard_normal((130, K)), jnp.float32)
     whole = np.asarray(matmul_affine_packed(x[:64], p.q, p.d, p.m))
@@ -102,7 +96,7 @@ def test_scalar_build_reads_the_codes_as_the_vector_build_does(tmp_path):
     jax.ffi.register_ffi_target("kvjax_matmul_affine_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked),
                                 platform="cpu")
     for K, N, qtype in [(576, 192, Q.Q4_1), (96, 128, Q.Q8_0), (64, 128, Q.Q4_0)]:
-        p = pack_affine(_gguf_weights(K, N, qtype))
+        p = pack_affine(gguf_weights(K, N, qtype))
         for M in (1, 7, 33):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
             out = jax.ShapeDtypeStruct((M, N), jnp.float32)

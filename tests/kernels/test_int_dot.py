@@ -17,12 +17,7 @@ from pallas_kernels.int_dot import IntDotCodes, int_dot_codes, int_dot_reference
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-
-def _gguf_weights(K, N, qtype, seed=0):
-    """An f32 [K, N] matrix as a loaded GGUF file holds it (`tests/kernels/test_affine.py`'s helper)."""
-    a = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
-    back = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
-    return np.ascontiguousarray(np.asarray(back, np.float32).reshape(N, K).T)
+from builders import gguf_weights  # noqa: E402
 
 
 def _weights(w: IntDotCodes) -> np.ndarray:
@@ -37,7 +32,7 @@ def _weights(w: IntDotCodes) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0])
 def test_four_bit_codes_are_rearranged_without_loss(qtype):
-    w = _gguf_weights(576, 192, qtype)
+    w = gguf_weights(576, 192, qtype)
     p = pack_affine(w)
     c = int_dot_codes(p)
     assert isinstance(c, IntDotCodes) and c.shape == (576, 192)
@@ -51,13 +46,13 @@ def test_four_bit_codes_are_rearranged_without_loss(qtype):
 
 
 def test_only_four_bit_codes_are_taken():
-    assert int_dot_codes(pack_affine(_gguf_weights(64, 64, Q.Q8_0))) is None  # one byte per code
+    assert int_dot_codes(pack_affine(gguf_weights(64, 64, Q.Q8_0))) is None  # one byte per code
     assert int_dot_codes(jnp.ones((64, 64), jnp.float32)) is None
     assert int_dot_codes(None) is None
 
 
 def test_reference_is_the_exact_product_within_the_rows_quantisation():
-    w = _gguf_weights(576, 128, Q.Q4_1, seed=3)
+    w = gguf_weights(576, 128, Q.Q4_1, seed=3)
     c = int_dot_codes(pack_affine(w))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 576)), jnp.float32)
     exact = np.asarray(x) @ w
@@ -73,7 +68,7 @@ def test_reference_is_the_exact_product_within_the_rows_quantisation():
 def test_native_kernel_matches_its_definition_for_any_number_of_rows(K, N, qtype):
     from pallas_kernels.native.matmul import matmul_int_dot
 
-    c = int_dot_codes(pack_affine(_gguf_weights(K, N, qtype, seed=K)))
+    c = int_dot_codes(pack_affine(gguf_weights(K, N, qtype, seed=K)))
     x = np.random.default_rng(N).standard_normal((11, K)).astype(np.float32)
     x[2] = 0.0  # a row of zeros
     x[3, :32] = 0.0  # and one block of zeros
@@ -98,7 +93,7 @@ def test_native_kernel_matches_its_definition_for_any_number_of_rows(K, N, qtype
 def test_bad_shapes_are_refused_with_a_reason():
     from pallas_kernels.native.matmul import matmul_int_dot
 
-    c = int_dot_codes(pack_affine(_gguf_weights(64, 64, Q.Q4_1)))
+    c = int_dot_codes(pack_affine(gguf_weights(64, 64, Q.Q4_1)))
     x = jnp.ones((1, 64), jnp.float32)
     with pytest.raises(ValueError, match=r"q uint8 \[P, K / 2, 64\]"):
         matmul_int_dot(jnp.ones((1, 32), jnp.float32), c.q, c.d, c.m)
@@ -118,7 +113,7 @@ def test_scalar_build_gives_the_vector_builds_bits(tmp_path):
     jax.ffi.register_ffi_target("kvjax_int_dot_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulIntDot),
                                 platform="cpu")
     for K, N, qtype in [(576, 192, Q.Q4_1), (64, 128, Q.Q4_0)]:
-        c = int_dot_codes(pack_affine(_gguf_weights(K, N, qtype)))
+        c = int_dot_codes(pack_affine(gguf_weights(K, N, qtype)))
         for M in (1, 5):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
             out = jax.ShapeDtypeStruct((M, N), jnp.float32)
@@ -128,7 +123,7 @@ def test_scalar_build_gives_the_vector_builds_bits(tmp_path):
 
 
 def test_int_dot_codes_are_a_pytree_of_their_arrays():
-    p = pack_affine(_gguf_weights(64, 64, Q.Q4_1))
+    p = pack_affine(gguf_weights(64, 64, Q.Q4_1))
     c = int_dot_codes(p)
     leaves = jax.tree_util.tree_leaves(c)
     assert len(leaves) == 3 and c.nbytes == sum(a.nbytes for a in leaves)
