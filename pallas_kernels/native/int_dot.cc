@@ -85,7 +85,7 @@ QuantRows Quantise(const float* x, int64_t M, int64_t K) {
 }
 
 // 64 f16 values as f32 (exact).
-inline void Widen(const uint16_t* h, float* out) {
+inline void HalvesToFloats(const uint16_t* h, float* out) {
 #if KVJAX_INT_DOT_VNNI
   for (int c = 0; c < 4; ++c)
     _mm512_storeu_ps(out + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16 * c))));
@@ -157,8 +157,8 @@ void PanelRows(const uint8_t* q, const uint16_t* d, const uint16_t* m, const Qua
     }
 #endif
     float db[kPanel], mb[kPanel];
-    Widen(d + b * kPanel, db);
-    Widen(m + b * kPanel, mb);
+    HalvesToFloats(d + b * kPanel, db);
+    HalvesToFloats(m + b * kPanel, mb);
     for (int r = 0; r < R; ++r) {
       const float xs = Q.scale[(r0 + r) * B + b], xsum = Q.sum[(r0 + r) * B + b];
       for (int64_t n = 0; n < kPanel; ++n)
