@@ -24,8 +24,8 @@ from pallas_kernels.linear import PANEL, pack_int8, packed_weights_supported, qu
 from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
 from kvjax.errors import InputError
+from kvjax.models.llama.layers import FUSED_PROJECTIONS
 
-_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 _cache: dict = {}  # ids of the params' leaves -> (the leaves, draft params): the leaves are held so no id is reused
 
 
@@ -59,7 +59,7 @@ def _int_dot_params(model):
     params = model.loop_params()
     layers = []
     for layer in params["layers"]:
-        codes = {k: int_dot_codes(layer[k]) for k in _PROJECTIONS if k in layer}
+        codes = {k: int_dot_codes(layer[k]) for k in FUSED_PROJECTIONS if k in layer}
         if not codes or any(c is None for c in codes.values()):
             raise InputError("draft_weights='int_dot' needs a model whose loops read 4-bit block codes (a GGUF "
                              "Q4_0 / Q4_1 model on the CPU, `kvjax.families.llama.reads_block_codes`)")
@@ -90,7 +90,8 @@ def draft_params(model, weights: str = "float32"):
         return out
     params = model.family.loop_params(model.params)
     store = _int8 if weights == "int8" else (lambda w: jnp.asarray(w, jnp.bfloat16))
-    layers = tuple({k: (store(v) if k in _PROJECTIONS else v) for k, v in layer.items()} for layer in params["layers"])
+    layers = tuple({k: (store(v) if k in FUSED_PROJECTIONS else v) for k, v in layer.items()}
+                   for layer in params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     out = dict(params, layers=layers, lm_head=store(head))
     _remember(key, leaves, out)

@@ -13,7 +13,7 @@ from kvjax.models.attention import make_attention_fn
 from kvjax.compress.refresh import refresh_draft
 from kvjax.models.llama import cache, draft, model, offload, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
-from kvjax.models.llama.layers import fuse_projections, pack_projections
+from kvjax.models.llama.layers import FUSED_PROJECTIONS, fuse_projections, pack_projections
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
 from pallas_kernels.affine import PackedAffine
 from pallas_kernels.int_dot import int_dot_fast
@@ -59,8 +59,8 @@ def default_drafter_fields(model=None) -> dict:
 def _int_dot_drafts(model) -> bool:
     """Whether a draft of `model` is cheaper by integer dot products here: every projection 4-bit codes, and the
     CPU's VNNI instructions there (`pallas_kernels.int_dot`)."""
-    projections = ("wqkv", "wo", "w_gate_up", "w_down")
-    return int_dot_fast() and all(layer[k].bits == 4 for layer in model.loop_params()["layers"] for k in projections)
+    layers = model.loop_params()["layers"]
+    return int_dot_fast() and all(layer[k].bits == 4 for layer in layers for k in FUSED_PROJECTIONS)
 
 
 def reads_block_codes(model) -> bool:
@@ -69,8 +69,7 @@ def reads_block_codes(model) -> bool:
     if model.family.pack_params is None or not packed_weights_supported():
         return False
     layers = model.loop_params()["layers"]
-    projections = ("wqkv", "wo", "w_gate_up", "w_down")  # the fused layout's matrices
-    return bool(layers) and all(isinstance(layers[0].get(k), PackedAffine) for k in projections)
+    return bool(layers) and all(isinstance(layers[0].get(k), PackedAffine) for k in FUSED_PROJECTIONS)
 
 
 LLAMA = Family(

@@ -22,6 +22,9 @@ from pallas_kernels.linear import pack_f32, packable, packed_weights_supported
 Params = dict[str, Any]
 
 
+FUSED_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's matrices in `fuse_projections`' layout
+
+
 def fuse_projections(params: Params) -> Params:
     """`params` with each layer's q/k/v projections (and biases) as one `wqkv` [H, (N + 2K) D] and its gate/up
     projections as one `w_gate_up` [H, 2I]: two matmuls where there were five.
