@@ -467,9 +467,10 @@ def register(sub) -> None:
                                                "(default: the drafter's, 4)")
     v.add_argument("--max-kept", type=int, help="at most this many kept tokens per head, whatever the prompt's length "
                                                 "(default: the default drafter's 2048; a named drafter's none)")
-    v.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
-                   help="dtype of the draft's kept keys and values (default float32, the default drafter's bfloat16 "
-                        "where read directly; bfloat16: half the bytes)")
+    v.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"),
+                   help="dtype of the draft's kept keys and values (default float32; the default drafter's int8 on "
+                        "the CPU with the native kernels, else bfloat16; bfloat16: half the bytes; int8: codes with a "
+                        "scale per head and slot, a quarter)")
     v.add_argument("--draft-weights", choices=("float32", "bfloat16", "int8", "int_dot"),
                    help="weights the draft reads (default: float32 with a named --compressor; the default drafter's "
                         "int8 on CPU where the native kernel builds -- int_dot or float32 for a GGUF model, whose "

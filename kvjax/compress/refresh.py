@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache
-from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV, SparseKV
+from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV
 from kvjax.compress.base import Compressor, gather_blocks, gather_tokens, round_up, sparse_part
 from kvjax.models.attention_scores import block_mass  # noqa: F401 - part of this drafter's interface
 
@@ -47,6 +47,7 @@ class RefreshSpec:
     recent_blocks: int
     period: int
     min_drafts: int = 0
+    dtype: str = "float32"  # how the selected tokens are stored (the drafter's `draft_dtype`)
 
     @property
     def budget(self) -> int:
@@ -132,10 +133,9 @@ def refresh_draft(draft: DraftCache, full: ModelCache, aux, *, spec: RefreshSpec
         end = _ring_start(dl.recent.pos, draft.length)
         pos = select_blocks(mass, end, spec)
         bulk = next((p for p in dl.parts if isinstance(p, QuantizedBulk)), None)
-        # the draft keeps its dtype; a row without its parts (the scheduler's, whose `put_parts` casts them to the
-        # batch's dtype) gathers float32
-        dtype = next((p.k.dtype.name for p in dl.parts if isinstance(p, SparseKV)), "float32")
-        layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block, dtype)))
+        # the spec's dtype, not the parts': a row without its parts (the scheduler's, written into the batch's parts
+        # by `put_parts`) must make the batch's part type (an int8 draft's `Int8KV` is not a cast of an f32 part)
+        layers.append(dataclasses.replace(dl, parts=selected_parts(form, pos, bulk, spec.block, spec.dtype)))
     return dataclasses.replace(draft, layers=tuple(layers))
 
 
@@ -179,7 +179,7 @@ class Refresh(Compressor):
         budget_blocks = max(self.sink_blocks + self.recent_blocks + 1, -(-self.budget(prompt_len) // self.block))
         return RefreshSpec(block=self.block, budget_blocks=budget_blocks, sink_blocks=self.sink_blocks,
                            recent_blocks=self.recent_blocks, period=self.period,
-                           min_drafts=self.min_drafts)
+                           min_drafts=self.min_drafts, dtype=self.draft_dtype)
 
     def prepare(self, params, config, full, prompt):
         from kvjax.models.llama.refresh import prompt_block_masses  # noqa: PLC0415 - models sit below compress

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from kvjax.cache.draft import QuantizedKV
+from pallas_kernels import native
+from kvjax.cache.draft import Int8KV, QuantizedKV
 from pallas_kernels.online_softmax import MASK_VALUE, M_INIT
 from pallas_kernels.reference import position_visible
 
@@ -244,7 +245,9 @@ def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None
     impl = pallas_kernels.resolve(implementation)
     stats = []
     for part in parts:
-        if isinstance(part, QuantizedKV):
+        if isinstance(part, Int8KV):
+            stats.append(int8_part_stats(q, part, q_pos, window=window, scale=scale, implementation=impl))
+        elif isinstance(part, QuantizedKV):
             stats.append(quantized_part_stats(q, part, q_pos, window=window, scale=scale, implementation=impl))
         else:
             k, v, pos = part
@@ -274,6 +277,21 @@ def quantized_part_stats(q, part: QuantizedKV, q_pos, *, window=None, scale=None
     return pallas_kernels.quantized_attention(q, part.k_codes, part.k_scale, part.k_zero, part.v_codes, part.v_scale,
                                               part.v_zero, part.pos, q_pos, bits=part.bits, group=part.group,
                                               window=window, scale=scale, implementation=impl, return_stats=True)
+
+
+def int8_part_stats(q, part: Int8KV, q_pos, *, window=None, scale=None, implementation=None):
+    """Un-normalised `(o, m, l)` of the queries over an int8 draft part.
+
+    Natively (CPU), the kernel reads the codes and scales and dequantises block by block in its scratch: the result
+    is bit for bit the f32 kernel's over `part.dense()`. Elsewhere the part is dequantised (`part.dense()`, which
+    XLA hoists out of a draft loop: an f32 copy) and attended through the dispatcher.
+    """
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "native":
+        return native.attend_stats_int8(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos,
+                                        window=window, scale=scale)
+    k, v, pos = part.dense()
+    return part_stats(q, k, v, q_pos, pos, window=window, scale=scale, implementation=impl)
 
 
 def make_attention_fn(implementation: str | None = None) -> Callable[..., jax.Array]:

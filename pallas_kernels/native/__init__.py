@@ -35,9 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc")  # one library
+SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
+           HERE / "gather_int8.cc")  # one library
 HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
+INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
+GATHER_INT8_TARGET = "kvjax_gather_int8"  # gather_int8.cc: a cache's rows gathered as int8 codes (`gather_int8`)
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`native.matmul.matmul_f32`)
@@ -124,6 +127,9 @@ def _build() -> dict:
         try:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
+            jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendInt8), platform="cpu")
+            jax.ffi.register_ffi_target(GATHER_INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherInt8),
+                                        platform="cpu")
             jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_F32_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulF32), platform="cpu")
@@ -241,6 +247,53 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
 
     stats.defvjp(fwd, bwd)
     return stats(q.astype(f32), k, v)
+
+
+def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, scale=None,
+                      block: int | None = None):
+    """`attend_stats` over int8 codes with one f32 scale per (batch, kv head, slot): keys `k * k_scale[..., None]`,
+    values `v * v_scale[..., None]` (`kvjax.cache.draft.Int8KV`). Only the codes and scales are read; each block is
+    dequantised into the kernel's scratch, so the statistics are bit for bit `attend_stats` over the dequantised f32
+    arrays.
+
+    Args:
+        q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos, k_pos, window, scale, block:
+            as `attend_stats`.
+    """
+    if not available():
+        raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
+    B, T, N, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
+        raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
+    if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
+        raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
+           jax.ShapeDtypeStruct((B, T, N), f32))
+    call = jax.ffi.ffi_call(INT8_TARGET, out, vmap_method="sequential")
+    return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
+                k_pos.astype(jnp.int32), window=np.int64(0 if window is None else window),
+                scale=np.float32(D**-0.5 if scale is None else scale),
+                block=np.int64(default_block(D) if block is None else block))
+
+
+def gather_int8(x, pos):
+    """Rows `pos` (i32[B, C] or [B, K, C], -1: an empty row) of x f32[B, K, S, D] as int8 codes i8[B, K, C, D] and
+    scales f32[B, K, C] (`gather_int8.cc`): the codes and scales `kvjax.cache.draft.Int8KV.quantize` makes of
+    `gather_tokens(x, pos)`, in one pass."""
+    if not available():
+        raise RuntimeError(f"the native kernels are not available: {status()['reason']}")
+    if x.ndim != 4 or x.dtype != jnp.float32:
+        raise ValueError(f"x must be f32[B, K, S, D], got {x.dtype}{x.shape}")
+    B, K, _, D = x.shape
+    if pos.ndim not in (2, 3) or pos.shape[0] != B or (pos.ndim == 3 and pos.shape[1] != K):
+        raise ValueError(f"pos must be [B, C] or [B, K, C] with B={B}, K={K}, got {pos.shape}")
+    C = pos.shape[-1]
+    out = (jax.ShapeDtypeStruct((B, K, C, D), jnp.int8), jax.ShapeDtypeStruct((B, K, C), jnp.float32))
+    return jax.ffi.ffi_call(GATHER_INT8_TARGET, out, vmap_method="sequential")(x, pos.astype(jnp.int32))
 
 
 def default_block(D: int) -> int:

@@ -73,11 +73,13 @@ using namespace kvjax_native;  // Pool, QKShape, exponentials, lane reductions (
 
 
 // ------------------------------------------------------------------------------------------------ the problem
-// k and v point at float or uint16_t (bf16) elements, per `bf16`.
+// k and v point at float, uint16_t (bf16) or int8_t elements, per `bf16` / `k_scale` (int8 codes: k_scale and
+// v_scale hold one f32 scale per (batch, kv head, slot), laid out as k_pos per head).
 struct Problem {
   const float* q;
   const void *k, *v;
   bool bf16;
+  const float *k_scale = nullptr, *v_scale = nullptr;
   const int32_t *q_pos, *k_pos;
   float *o, *m, *l;
   int64_t B, T, N, K, S, D, G;
@@ -131,6 +133,7 @@ struct Scratch {
 template <typename T>
 struct Block {
   const T *k, *v;
+  const float *ks = nullptr, *vs = nullptr;  // int8 codes: the block's key and value scales, one per key
   int64_t n, npad;
   bool dense;
   int32_t pmin, pmax;
@@ -168,9 +171,20 @@ inline __m128 Load4(const uint16_t* p) {
 }
 #endif
 
-// Transposes keys [0, n) (kb: n x D, f32 or bf16) into kT[d * ld + j] as f32, zero-padding columns [n, ld).
+// Key or value j's element as f32: widened, and for int8 codes times the key's scale (one f32 product, the value
+// `codes.astype(f32) * scale[..., None]` holds).
 template <typename T>
-inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float* kT) {
+inline float Value(const T* p, const float* sc, int64_t j) {
+  if constexpr (std::is_same_v<T, int8_t>) return Widen(*p) * sc[j];
+  (void)sc;
+  (void)j;
+  return Widen(*p);
+}
+
+// Transposes keys [0, n) (kb: n x D, f32, bf16 or int8 codes with scales ks) into kT[d * ld + j] as f32,
+// zero-padding columns [n, ld).
+template <typename T>
+inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT) {
   int64_t j = 0;
 #if KVJAX_AVX512
   // 16 keys x 16 dims per step where the CPU has AVX-512: half the instructions per value of the 8 x 8 steps below,
@@ -181,7 +195,10 @@ inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float*
       const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         __m512 r[16], t[16], u[16];
-        for (int i = 0; i < 16; ++i) r[i] = Load16(k0 + i * D + d0);  // key j + i's values of d0..d0+15
+        for (int i = 0; i < 16; ++i) {
+          r[i] = Load16(k0 + i * D + d0);  // key j + i's values of d0..d0+15
+          if constexpr (std::is_same_v<T, int8_t>) r[i] = _mm512_mul_ps(r[i], _mm512_set1_ps(ks[j + i]));
+        }
         for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 interleaved at columns 4L, 4L+1 / 4L+2, 4L+3
           t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
           t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -214,10 +231,14 @@ inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float*
         // r[i] = [key i, d0..d0+3 | key i+4, d0..d0+3], r[4+i] the same for d0+4..d0+7: a 4x4 transpose within
         // each 128-bit half then gives the 8 keys of one d per register.
         __m256 r[8];
-        if constexpr (std::is_same_v<T, uint16_t>) {
-          // bf16: one load-and-widen per key (its 8 values of d0..d0+7), then the halves paired across keys i, i+4
+        if constexpr (!std::is_same_v<T, float>) {
+          // bf16 or int8: one load-and-widen per key (its 8 values of d0..d0+7; codes times the key's scale), then
+          // the halves paired across keys i, i+4
           __m256 w[8];
-          for (int i = 0; i < 8; ++i) w[i] = Load8(k0 + i * D + d0);
+          for (int i = 0; i < 8; ++i) {
+            w[i] = Load8(k0 + i * D + d0);
+            if constexpr (std::is_same_v<T, int8_t>) w[i] = _mm256_mul_ps(w[i], _mm256_set1_ps(ks[j + i]));
+          }
           for (int i = 0; i < 4; ++i) {
             r[i] = _mm256_permute2f128_ps(w[i], w[i + 4], 0x20);
             r[4 + i] = _mm256_permute2f128_ps(w[i], w[i + 4], 0x31);
@@ -245,7 +266,7 @@ inline void TransposePanel(const T* kb, int64_t n, int64_t D, int64_t ld, float*
   }
 #endif
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Widen(kb[jj * D + d]) : 0.0f;
+    for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Value(kb + jj * D + d, ks, jj) : 0.0f;
 }
 
 #if KVJAX_AVX2
@@ -413,7 +434,7 @@ inline float ExpSum(float* s, int64_t npad, float m) {
 // shape nor the register width changes a row's arithmetic.
 template <typename L, int R, int CC, typename T>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
-                   int64_t m, int64_t D, Prefetch& pf, int64_t pf_lines) {
+                   const float* vs, int64_t m, int64_t D, Prefetch& pf, int64_t pf_lines) {
   using V = typename L::V;
   constexpr int W = L::kWidth;
   V acc[R][CC];
@@ -432,6 +453,7 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
       vv[c] = L::Load(vb + j * D + W * c);
+      if constexpr (std::is_same_v<T, int8_t>) vv[c] = L::Mul(vv[c], L::Set1(vs[j]));  // codes x the value's scale
       L::Pin(vv[c]);  // one load (and widening) per value register, shared by the R rows (not folded into each FMA)
     }
     KVJAX_UNROLL
@@ -523,7 +545,7 @@ inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int
 // p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.
 template <int R, typename T>
 __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t* act, const int64_t* live, int64_t i0, Scratch& W,
-                   const float* alpha, const T* vb, int64_t j0, int64_t m, bool first) {
+                   const float* alpha, const T* vb, const float* vs, int64_t j0, int64_t m, bool first) {
   const int64_t D = P.D, C = D / 8;
   float* o[R];
   const float* p[R];
@@ -544,32 +566,32 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   constexpr int CW = 4;  // 16-column registers per tile: R * CW <= 24 accumulators of 32
   for (; c + 2 * CW <= C; c += 2 * CW) {
     shifted(c, oc);
-    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
   }
   // 32 columns per tile where 64 do not fit (D = 32: the tiny model's heads): each p[r][j] broadcast once for both
   // registers (one register per tile loaded a value and broadcast a probability per FMA: the tiny model's 9-row verify
   // at 32K spent over a quarter of its attention here)
   for (; c + 4 <= C; c += 4) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
   }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
   }
 #endif
   for (; c + CC <= C; c += CC) {
     shifted(c, oc);
-    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
   }
   for (; c < C; ++c) {
     shifted(c, oc);
-    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
   }
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {
       float acc = first ? al[r] * o[r][d] : o[r][d];
-      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], Widen(vb[(j0 + j) * D + d]), acc);
+      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], Value(vb + (j0 + j) * D + d, vs, j0 + j), acc);
       o[r][d] = acc;
     }
 }
@@ -621,7 +643,8 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   const int64_t PK = PanelKeys(D, na), ntiles = (na + kRowTile - 1) / kRowTile;
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
-    TransposePanel(blk.k + j0 * D, std::min(ld, n - j0), D, ld, W.kT.data());
+    TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
+                   W.kT.data());
     // each row tile prefetches its share of the next block's keys (this panel's bytes over the tiles), a few
     // lines per step over d
     const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
@@ -641,8 +664,8 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
       float acc = 0.0f;
       if (j < n) {
         const T* kr = blk.k + j * D;
-        acc = q[0] * Widen(kr[0]);
-        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Widen(kr[d]), acc);
+        acc = q[0] * Value(kr, blk.ks, j);
+        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Value(kr + d, blk.ks, j), acc);
       }
       const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
       const float sv = ok ? acc * P.scale : -INFINITY;
@@ -688,7 +711,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     W.pf = &next_v;
     W.pf_lines = (lines + m - 1) / m;
     for (int64_t i0 = 0; i0 < nl; i0 += kRowTile)
-      ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, j0, m, first);
+      ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, blk.vs, j0, m, first);
 #else
     (void)next_v;
     for (int64_t i = 0; i < nl; ++i) {
@@ -697,7 +720,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
       const float* p = W.s.data() + a * BK + j0;
       for (int64_t d = 0; d < D; ++d) {
         float acc = first ? alpha[a] * o[d] : o[d];
-        for (int64_t j = 0; j < m; ++j) acc = std::fma(p[j], Widen(vb[(j0 + j) * D + d]), acc);
+        for (int64_t j = 0; j < m; ++j) acc = std::fma(p[j], Value(vb + (j0 + j) * D + d, blk.vs, j0 + j), acc);
         o[d] = acc;
       }
     }
@@ -783,6 +806,10 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
       next_k = Prefetch{reinterpret_cast<const char*>(blk.k + BK * D), bytes};
       next_v = Prefetch{reinterpret_cast<const char*>(blk.v + BK * D), bytes};
     }
+    if (P.k_scale != nullptr) {  // int8 codes: each key's and value's scale, widened with it (`Value`)
+      blk.ks = P.k_scale + (b * P.K + h) * S + j0;
+      blk.vs = P.v_scale + (b * P.K + h) * S + j0;
+    }
     for (int64_t a0 = 0; a0 < na; a0 += kChunk)
       BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, blk, next_k, next_v);
   }
@@ -838,10 +865,12 @@ void MergeSegments(const Problem& P, int64_t nseg, const float* po, const float*
   }
 }
 
-ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
-                      ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale,
-                      int64_t block) {
+ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P);
+
+// The problem of one call: shapes checked, pointers set (k and v of element type `kt`, checked by the caller).
+ffi::Error ReadProblem(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& q_pos,
+                       ffi::Buffer<ffi::S32>& k_pos, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& m,
+                       ffi::ResultBuffer<ffi::F32>& l, int64_t window, float scale, int64_t block, Problem* out) {
   QKShape sh;
   if (ffi::Error e = ReadQKShape(q.dimensions(), k.dimensions(), k_pos.dimensions(), q_pos.element_count(),
                                  "q_pos must be [B, T]", &sh);
@@ -858,14 +887,12 @@ ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::An
   P.pos_per_head = sh.pos_per_head;
   if (v.dimensions().size() != 4 || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("v must have k's shape");
-  const ffi::DataType kt = k.element_type();
-  if ((kt != ffi::DataType::F32 && kt != ffi::DataType::BF16) || v.element_type() != kt)
-    return ffi::Error::InvalidArgument("k and v must both be f32 or both bf16");
+  if (v.element_type() != k.element_type()) return ffi::Error::InvalidArgument("k and v must have one dtype");
   if (block < 8 || block % 8) return ffi::Error::InvalidArgument("block must be a positive multiple of 8");
   P.q = q.typed_data();
   P.k = k.untyped_data();
   P.v = v.untyped_data();
-  P.bf16 = kt == ffi::DataType::BF16;
+  P.bf16 = k.element_type() == ffi::DataType::BF16;
   P.q_pos = q_pos.typed_data();
   P.k_pos = k_pos.typed_data();
   P.o = o->typed_data();
@@ -874,6 +901,39 @@ ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::An
   P.window = window;
   P.scale = scale;
   P.block = block;
+  *out = P;
+  return ffi::Error::Success();
+}
+
+ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
+                      ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale,
+                      int64_t block) {
+  const ffi::DataType kt = k.element_type();
+  if (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("k and v must both be f32 or both bf16");
+  Problem P;
+  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, &P); e.failure()) return e;
+  return Solve(xla_pool, P);
+}
+
+// int8 codes with one f32 scale per (batch, kv head, slot) for the keys and for the values (a draft's kept tokens).
+ffi::Error AttendInt8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> q_pos,
+                          ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale, int64_t block) {
+  if (k.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("k and v must be int8 codes");
+  Problem P;
+  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, &P); e.failure()) return e;
+  const size_t scales = static_cast<size_t>(P.B * P.K * P.S);
+  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
+    return ffi::Error::InvalidArgument("k_scale and v_scale must be [B, K, S]");
+  P.k_scale = k_scale.typed_data();
+  P.v_scale = v_scale.typed_data();
+  return Solve(xla_pool, P);
+}
+
+ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P) {
   if (P.S == 0 || P.T == 0) {
     std::fill(P.o, P.o + P.B * P.T * P.N * P.D, 0.0f);
     std::fill(P.m, P.m + P.B * P.T * P.N, kMInit);
@@ -902,7 +962,9 @@ ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::An
     float* oo = nseg > 1 ? po.data() + sg * Q * P.D : P.o;
     float* om = nseg > 1 ? pm.data() + sg * Q : P.m;
     float* ol = nseg > 1 ? pl.data() + sg * Q : P.l;
-    if (P.bf16)
+    if (P.k_scale != nullptr)
+      RunUnit<int8_t>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
+    else if (P.bf16)
       RunUnit<uint16_t>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
     else
       RunUnit<float>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
@@ -924,6 +986,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()  // k: f32 or bf16
                                   .Arg<ffi::AnyBuffer>()  // v: k's dtype
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8, AttendInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // k: int8 codes
+                                  .Arg<ffi::AnyBuffer>()  // v: int8 codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

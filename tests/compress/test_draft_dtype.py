@@ -1,6 +1,7 @@
-"""A draft whose prompt parts are bf16 (`draft_dtype="bfloat16"`): half the prompt-part bytes, the recent ring f32,
-the refreshing drafter's re-selections stay bf16 without recompiling, and VeriCache's output is still the
-reference decoder's bit for bit (verification reads the f32 full cache)."""
+"""A draft whose prompt parts are bf16 (`draft_dtype="bfloat16"`: half the prompt-part bytes) or int8 codes with
+per-slot scales (`"int8"`: a quarter), the recent ring f32, the refreshing drafter's re-selections keeping the dtype
+without recompiling, and VeriCache's output still the reference decoder's bit for bit (verification reads the f32
+full cache)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache.draft import SparseKV
+from kvjax.cache.draft import Int8KV, SparseKV
 from kvjax.compress import make_compressor
 from kvjax.decode import steps
 from kvjax.decode.refresh import refresh_step
@@ -70,17 +71,53 @@ def test_prompt_parts_are_bf16_at_half_the_bytes_and_the_ring_stays_f32(hf_model
 def test_a_refresh_keeps_the_draft_dtype(hf_model_dir):
     m = kvjax.load(hf_model_dir("llama")[1])
     cache, d = _drafts(m, "refresh", REFRESH)
+    d["int8"] = make_compressor("refresh", **REFRESH, draft_dtype="int8")(m.params, m.config, cache, _prompt(),
+                                                                         recent_slots=32)
     toks = jnp.asarray([[5, 9, 11, 2, 7]], jnp.int32)
     _, after, aux = jax.jit(lambda c: m.family.verify_forward(m.params, m.config, c, toks,
                                                                jnp.asarray([5], jnp.int32)))(cache)
-    for dt, want in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+    for dt, want in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16), ("int8", jnp.int8)):
         new = refresh_step(d[dt], after, aux, family=m.family)
-        parts = [p for l in new.layers if l.window is None for p in l.parts if isinstance(p, SparseKV)]
+        parts = [p for l in new.layers if l.window is None for p in l.parts if isinstance(p, (SparseKV, Int8KV))]
         assert parts and all(p.k.dtype == p.v.dtype == want for p in parts)
 
 
+@pytest.mark.parametrize("name,kw", [("refresh", REFRESH), ("snapkv", dict(ratio=4.0, obs_window=8)),
+                                     ("kivi4", {})])
+def test_int8_prompt_parts_keep_the_tokens_at_a_quarter_of_the_bytes(hf_model_dir, name, kw):
+    """`draft_dtype="int8"`: the same kept tokens as f32, as codes and a scale per head and slot (`Int8KV`), each
+    value within half a quantisation step of the f32 part's; the ring stays f32."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    cache, d = _drafts(m, name, kw)
+    q8 = make_compressor(name, **kw, draft_dtype="int8")(m.params, m.config, cache, _prompt(), recent_slots=32)
+    checked = 0
+    for l32, l8 in zip(d["float32"].layers, q8.layers):
+        assert l8.recent.k.dtype == jnp.float32
+        for a, b in zip(l32.parts, l8.parts):
+            if l8.window is None and isinstance(b, Int8KV):
+                assert b.k.dtype == b.v.dtype == jnp.int8 and b.k.nbytes == a.k.nbytes // 4
+                np.testing.assert_array_equal(np.asarray(b.pos), np.asarray(a.pos))
+                for x, (got, scale) in ((a.k, (b.dense()[0], b.k_scale)), (a.v, (b.dense()[1], b.v_scale))):
+                    assert np.all(np.abs(np.asarray(got) - np.asarray(x)) <= np.asarray(scale)[..., None] / 2 + 1e-7)
+                checked += 1
+    assert checked and q8.prompt_nbytes() < d["bfloat16"].prompt_nbytes()
+
+
+def test_int8_draft_vericache_equals_the_reference(hf_model_dir):
+    """An int8 draft cache (refresh, re-selecting after every verify) changes acceptance at most, never the output:
+    tokens and logits equal the reference decoder's; only the first round compiles."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    p = _prompt()
+    ref = kvjax.reference_decode(m, p, 20, draft_len=4, return_logits=True)
+    g = kvjax.generate_vericache(m, p, 20, compressor="refresh", compressor_kw=dict(REFRESH, draft_dtype="int8"),
+                                 draft_len=4, ignore_eos=True, return_logits=True)
+    np.testing.assert_array_equal(g.tokens, ref.tokens)
+    np.testing.assert_array_equal(g.logits, ref.logits)
+    assert g.stats["verifications"] >= 4 and g.stats["compile_rounds"] <= 1
+
+
 @pytest.mark.parametrize("name", ["refresh", "snapkv", "streaming", "kivi4", "refresh_kivi4"])
-@pytest.mark.parametrize("bad", ["float16", "bf16", "int8", None])
+@pytest.mark.parametrize("bad", ["float16", "bf16", "int4", None])
 def test_an_unknown_draft_dtype_is_one_clear_error(name, bad):
     with pytest.raises(ValueError, match="draft_dtype"):
         make_compressor(name, draft_dtype=bad)
@@ -88,13 +125,14 @@ def test_an_unknown_draft_dtype_is_one_clear_error(name, bad):
     assert make_compressor(name).draft_dtype == "float32"
 
 
-@pytest.mark.slow  # a batch through the scheduler (~40 s on CI)
-def test_bf16_refresh_draft_in_the_scheduler_is_exact(hf_model_dir):
-    """The scheduler re-selects a row without its parts and writes them into the batch's (bf16) slots."""
+@pytest.mark.slow  # a batch through the scheduler (~40 s on CI each)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_bf16_and_int8_refresh_drafts_in_the_scheduler_are_exact(hf_model_dir, dtype):
+    """The scheduler re-selects a row without its parts and writes them into the batch's (bf16 / int8) slots."""
     m = kvjax.load(hf_model_dir("llama")[1])
     prompts = [_prompt(140, seed=6), _prompt(100, seed=7)]
     outs = kvjax.generate_vericache(m, prompts, 16, compressor="refresh",
-                                    compressor_kw=dict(REFRESH, draft_dtype="bfloat16"), draft_len=4, ignore_eos=True)
+                                    compressor_kw=dict(REFRESH, draft_dtype=dtype), draft_len=4, ignore_eos=True)
     for p, g in zip(prompts, outs):
         np.testing.assert_array_equal(g.tokens, kvjax.reference_decode(m, p, 16, draft_len=4).tokens)
 

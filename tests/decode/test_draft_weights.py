@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
+import pallas_kernels
 from kvjax.compress import make_compressor
 from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.decode import vericache as vericache_mod
@@ -93,11 +94,14 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir, monkeypatch):
 
 def test_the_default_drafter_drafts_cheaply_where_the_kernels_read_it(hf_model_dir):
     """The family's default drafter (no compressor named) takes the measured-best cheap draft where the kernels read
-    it directly (bf16 kept keys and values; int8 weights on the CPU); a named drafter keeps its f32 defaults, and
-    given fields win over the default ones."""
+    it directly (int8 kept keys and values and int8 weights on the CPU with the native kernels; bf16 kept keys and
+    values where they do not build); a named drafter keeps its f32 defaults, and given fields win over the default
+    ones."""
     m = kvjax.load(hf_model_dir("llama")[1])
     d = m.family.make_compressor(None)
-    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", "bfloat16", "int8", 2048)
+    kept = "int8" if pallas_kernels.active_cpu_implementation() == "native" else "bfloat16"
+    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", kept, "int8", 2048)
+    assert m.family.make_compressor(None, draft_dtype="bfloat16").draft_dtype == "bfloat16"
     assert (d.budget(4096), d.budget(32768), d.budget(100)) == (1024, 2048, 32)  # ratio 4, capped at 2048
     assert m.family.make_compressor("refresh").draft_weights == "float32"
     assert m.family.make_compressor(None, draft_weights="float32").draft_weights == "float32"
