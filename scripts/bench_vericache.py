@@ -101,8 +101,9 @@ def main(argv=None):
                          "'refresh,refresh:ratio=8:draft_dtype=bfloat16' compares two settings in one run)")
     ap.add_argument("--ratio", type=float, default=None,
                     help="compression ratio of every drafter (default: each one's, 4x for the token droppers)")
-    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="dtype of the drafts' full-precision prompt parts (default float32)")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                    help="how the drafts' kept keys and values are stored (default float32; int8: codes with a scale "
+                         "per head and slot)")
     ap.add_argument("--offload", default="kvzip", help="compressors also run offloaded (comma list, or 'none')")
     ap.add_argument("--adaptive", default=None, help="drafters also run with adaptive x (comma list; default: the "
                                                       "first of --compressors)")

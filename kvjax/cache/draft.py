@@ -65,8 +65,8 @@ class Int8KV:
 
     @classmethod
     def quantize(cls, k: jax.Array, v: jax.Array, pos: jax.Array) -> "Int8KV":
-        """Codes of k, v [B, K, S, D]: per (head, slot), scale = max |x| / 127 and codes round(x / scale) (a zero
-        row: scale 0, codes 0)."""
+        """Codes of k, v [B, K, S, D]: per (head, slot), scale = max |x| / 127 and codes round(x * 127 / max |x|)
+        (a zero row: scale 0, codes 0)."""
         kc, ks = _absmax_int8(k)
         vc, vs = _absmax_int8(v)
         return cls(k=kc, v=vc, k_scale=ks, v_scale=vs, pos=pos.astype(jnp.int32))

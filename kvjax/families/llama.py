@@ -48,11 +48,14 @@ def default_drafter_fields(model=None) -> dict:
     (`draft_weights="int_dot"`, `pallas_kernels.int_dot`): SmolLM2 at 8K, the same command, interleaved in one
     process: 60.0-61.4 tokens/s against the exact codes' 54.9-56.5, the same 7.53 accepted per round of 8.
 
-    On the CPU with the native kernels the kept keys and values are int8 codes with a scale per head and slot
-    (`kvjax.cache.draft.Int8KV`, read by the attention kernel without a dequantised copy; 37% fewer draft-cache
-    bytes than bf16): SmolLM2 at 8K, the README workload, interleaved in one process, four runs each: 52.5-58.1
-    tokens/s against bf16's 52.1-55.6, the same acceptance at a fixed x = 8 on three prompts (a draft token 0.92x
-    bf16's)."""
+    On the CPU with the native kernels, for a `model` whose kept keys and values would fill more than
+    `INT8_KEPT_FROM` bytes in bf16, they are int8 codes with a scale per head and slot (`kvjax.cache.draft.Int8KV`,
+    read by the attention kernel without a dequantised copy): a draft token streams them from memory, and half the
+    bytes pay for the scale products. Measured: SmolLM2 (45 MiB in bf16 at 2,048 kept slots) at 8K, a draft token
+    9.22 against 10.16 ms (roofline, one run) and the README workload 52.5-58.1 tokens/s against bf16's 52.1-55.6
+    (interleaved in one process, four runs each), the same acceptance at a fixed x = 8 on three prompts; the tiny
+    model (4 MiB, which stays in cache) at 32K on four prompts, x = 8: 1.53x full-cache decoding against bf16's 1.56x,
+    its draft 1.05x slower, so it keeps bf16."""
     ok, _ = pallas_kernels.bf16_weights_supported()
     if not ok:
         return dict(max_kept=DEFAULT_MAX_KEPT)
@@ -60,8 +63,17 @@ def default_drafter_fields(model=None) -> dict:
     weights = "int8" if cpu else "bfloat16"
     if model is not None and reads_block_codes(model):
         weights = "int_dot" if _int_dot_drafts(model) else "float32"
-    kept = "int8" if cpu and pallas_kernels.active_cpu_implementation() == "native" else "bfloat16"
+    native = cpu and pallas_kernels.active_cpu_implementation() == "native"
+    kept = "int8" if native and model is not None and _bf16_kept_bytes(model.config) > INT8_KEPT_FROM else "bfloat16"
     return dict(max_kept=DEFAULT_MAX_KEPT, draft_dtype=kept, draft_weights=weights)
+
+
+INT8_KEPT_FROM = 16 << 20  # bf16 kept bytes from which the default drafter keeps int8 codes (measured both sides)
+
+
+def _bf16_kept_bytes(config) -> int:
+    """Bytes of the default drafter's kept keys and values in bf16 at `DEFAULT_MAX_KEPT` slots per head."""
+    return config.num_layers * config.num_kv_heads * DEFAULT_MAX_KEPT * config.head_dim * 2 * 2
 
 
 def _int_dot_drafts(model) -> bool:

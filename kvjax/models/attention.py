@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from pallas_kernels import native
 from kvjax.cache.draft import Int8KV, QuantizedKV
+from pallas_kernels import native
 from pallas_kernels.online_softmax import MASK_VALUE, M_INIT
 from pallas_kernels.reference import position_visible
 
@@ -282,9 +282,9 @@ def quantized_part_stats(q, part: QuantizedKV, q_pos, *, window=None, scale=None
 def int8_part_stats(q, part: Int8KV, q_pos, *, window=None, scale=None, implementation=None):
     """Un-normalised `(o, m, l)` of the queries over an int8 draft part.
 
-    Natively (CPU), the kernel reads the codes and scales and dequantises block by block in its scratch: the result
-    is bit for bit the f32 kernel's over `part.dense()`. Elsewhere the part is dequantised (`part.dense()`, which
-    XLA hoists out of a draft loop: an f32 copy) and attended through the dispatcher.
+    Natively (CPU), the kernel reads the codes and scales, multiplying each widened code by its slot's scale in
+    registers: the result is bit for bit the f32 kernel's over `part.dense()`. Elsewhere the part is dequantised
+    (`part.dense()`, which XLA hoists out of a draft loop: an f32 copy) and attended through the dispatcher.
     """
     impl = pallas_kernels.resolve(implementation)
     if impl == "native":

@@ -252,9 +252,9 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
 def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, scale=None,
                       block: int | None = None):
     """`attend_stats` over int8 codes with one f32 scale per (batch, kv head, slot): keys `k * k_scale[..., None]`,
-    values `v * v_scale[..., None]` (`kvjax.cache.draft.Int8KV`). Only the codes and scales are read; each block is
-    dequantised into the kernel's scratch, so the statistics are bit for bit `attend_stats` over the dequantised f32
-    arrays.
+    values `v * v_scale[..., None]` (`kvjax.cache.draft.Int8KV`). Only the codes and scales are read: each code is
+    widened and multiplied by its slot's scale in registers (the one f32 product of that dequantisation), so the
+    statistics are bit for bit `attend_stats` over the dequantised f32 arrays.
 
     Args:
         q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos, k_pos, window, scale, block:
@@ -281,9 +281,9 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
 
 
 def gather_int8(x, pos):
-    """Rows `pos` (i32[B, C] or [B, K, C], -1: an empty row) of x f32[B, K, S, D] as int8 codes i8[B, K, C, D] and
-    scales f32[B, K, C] (`gather_int8.cc`): the codes and scales `kvjax.cache.draft.Int8KV.quantize` makes of
-    `gather_tokens(x, pos)`, in one pass."""
+    """Rows `pos` (slots of x, i32[B, C] or [B, K, C]; -1: an empty row) of x f32[B, K, S, D] as int8 codes
+    i8[B, K, C, D] and scales f32[B, K, C] (`gather_int8.cc`): the codes and scales `kvjax.cache.draft.Int8KV.quantize`
+    makes of `gather_tokens(x, pos)`, in one pass."""
     if not available():
         raise RuntimeError(f"the native kernels are not available: {status()['reason']}")
     if x.ndim != 4 or x.dtype != jnp.float32:

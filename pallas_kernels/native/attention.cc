@@ -565,6 +565,7 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
     al[r] = alpha[a];
   }
   constexpr int CC = R >= 4 ? 2 : 4;  // R * CC <= 12 accumulators
+  const float* vsj = vs == nullptr ? nullptr : vs + j0;  // int8 codes: the sub-block's value scales
   int64_t c = 0;
   auto shifted = [&](int64_t c0, float** out) {
     for (int r = 0; r < R; ++r) out[r] = o[r] + 8 * c0;
@@ -574,32 +575,32 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   constexpr int CW = 4;  // 16-column registers per tile: R * CW <= 24 accumulators of 32
   for (; c + 2 * CW <= C; c += 2 * CW) {
     shifted(c, oc);
-    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
   }
   // 32 columns per tile where 64 do not fit (D = 32: the tiny model's heads): each p[r][j] broadcast once for both
   // registers (one register per tile loaded a value and broadcast a probability per FMA: the tiny model's 9-row verify
   // at 32K spent over a quarter of its attention here)
   for (; c + 4 <= C; c += 4) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
   }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
   }
 #endif
   for (; c + CC <= C; c += CC) {
     shifted(c, oc);
-    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
   }
   for (; c < C; ++c) {
     shifted(c, oc);
-    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vs == nullptr ? nullptr : vs + j0, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
   }
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {
       float acc = first ? al[r] * o[r][d] : o[r][d];
-      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], Value(vb + (j0 + j) * D + d, vs, j0 + j), acc);
+      for (int64_t j = 0; j < m; ++j) acc = std::fma(p[r][j], Value(vb + (j0 + j) * D + d, vsj, j), acc);
       o[r][d] = acc;
     }
 }

@@ -1,11 +1,11 @@
-// Gathering a cache's rows as int8 codes on the CPU, as an XLA FFI custom call (`kvjax.cache.draft.Int8KV.gather`:
-// a draft's kept keys and values, re-selected after verifications by the refreshing drafter).
+// Gathering a cache's rows as int8 codes on the CPU, as an XLA FFI custom call (`kvjax.compress.base.int8_part`: a
+// draft's kept keys and values, made at compression and re-selected after verifications by the refreshing drafter).
 //
-// Inputs  x f32[B, K, S, D], pos s32[B, C] or s32[B, K, C] (a slot of x per row; -1: an empty row)
+// Inputs  x f32[B, K, S, D], pos s32[B, C] or s32[B, K, C] (a slot of x per row; -1, or a slot past S: an empty row)
 // Outputs codes s8[B, K, C, D], scale f32[B, K, C]
 //
-// Row c of head k: amax = max_d |x[pos, d]|, scale = amax * f32(1 / 127), codes = round-half-even(x * (127 / amax)) clamped
-// to [-127, 127] (amax 0 or an empty row: codes 0, scale 0) -- the operations, in f32, of the jnp definition
+// Row c of head k: amax = max_d |x[pos, d]|, scale = amax * f32(1 / 127), codes = round-half-even(x * (127 / amax))
+// clamped to [-127, 127] (amax 0 or an empty row: codes 0, scale 0) -- the operations, in f32, of the jnp definition
 // (`kvjax.cache.draft._absmax_int8` over `gather_tokens`), so both give the same codes and scales.
 //
 // Why native: XLA:CPU ran the jnp form (a row maximum, then a product with it broadcast over the row) at ~2 ns per
