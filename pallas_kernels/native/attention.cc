@@ -876,7 +876,7 @@ void MergeSegments(const Problem& P, int64_t nseg, const float* po, const float*
 
 ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P);
 
-// The problem of one call: shapes checked, pointers set (k and v of element type `kt`, checked by the caller).
+// The problem of one call: shapes checked, pointers set (k's element type is checked by the caller).
 ffi::Error ReadProblem(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& q_pos,
                        ffi::Buffer<ffi::S32>& k_pos, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& m,
                        ffi::ResultBuffer<ffi::F32>& l, int64_t window, float scale, int64_t block, Problem* out) {
