@@ -72,6 +72,24 @@ def int_dot_codes(w) -> IntDotCodes | None:
     return IntDotCodes(jnp.asarray(out), jnp.asarray(d, jnp.float16), jnp.asarray(m, jnp.float16))
 
 
+def requantize_4bit(w) -> IntDotCodes:
+    """An f32 `[K, N]` weight (K a multiple of 32, N of 64) as 4-bit codes in the integer-dot layout: per block of 32 k
+    and column, d = (max - min) / 15 and m = min in f16, codes round((w - m) / d) clamped to 0..15 (lossy: for a
+    draft's coarse pass only, e.g. its output head's candidates, `kvjax.models.llama.layers.lm_head`)."""
+    w = np.asarray(w, np.float32)
+    K, N = w.shape
+    b = w.reshape(K // BLOCK, BLOCK, N)
+    lo, hi = b.min(axis=1), b.max(axis=1)  # [K / 32, N]
+    d = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    codes = np.clip(np.round((b - m[:, None]) / np.where(d > 0, d, 1)[:, None]), 0, 15).astype(np.uint8).reshape(K, N)
+    P = N // PANEL
+    panels = codes.reshape(K, P, PANEL).transpose(1, 0, 2)  # [P, K, 64]
+    q = panels[:, :, :PANEL // 2] | (panels[:, :, PANEL // 2:] << 4)  # column j low nibble, j + 32 high
+    per = lambda a: a.reshape(K // BLOCK, P, PANEL).transpose(1, 0, 2)  # noqa: E731 - [P, K / 32, 64]
+    return int_dot_codes(PackedAffine(jnp.asarray(q), jnp.asarray(per(d)), jnp.asarray(per(m))))
+
+
 def unpack_codes(w: IntDotCodes) -> jax.Array:
     """The codes uint8[K, N] of an `IntDotCodes` (its layout undone)."""
     P, G, _ = w.q.shape

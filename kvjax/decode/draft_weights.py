@@ -17,9 +17,10 @@ instructions per weight).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
-from pallas_kernels.int_dot import int_dot_codes
+from pallas_kernels.int_dot import int_dot_codes, requantize_4bit
 from pallas_kernels.linear import PANEL, pack_int8, packed_weights_supported, quantize_int8
 from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
@@ -53,9 +54,10 @@ def _int8(w):
 
 
 def _int_dot_params(model):
-    """The loops' params with every 4-bit code matrix in the integer-dot layout (`pallas_kernels.int_dot`); the rest
-    (the head's 8-bit codes, norms, the embedding) shared with the loops. InputError unless the projections are 4-bit
-    block codes (a GGUF Q4_0 / Q4_1 model on the CPU)."""
+    """The loops' params with every 4-bit code matrix in the integer-dot layout (`pallas_kernels.int_dot`); a tied
+    output head as 4-bit codes with its best candidates re-scored exactly (`lm_head_coarse`, `lm_head_rows`), an
+    untied one kept as the loops' codes; norms and the embedding shared with the loops. InputError unless the
+    projections are 4-bit block codes (a GGUF Q4_0 / Q4_1 model on the CPU)."""
     params = model.loop_params()
     layers = []
     for layer in params["layers"]:
@@ -64,7 +66,15 @@ def _int_dot_params(model):
             raise InputError("draft_weights='int_dot' needs a model whose loops read 4-bit block codes (a GGUF "
                              "Q4_0 / Q4_1 model on the CPU, `kvjax.families.llama.reads_block_codes`)")
         layers.append({**layer, **codes})
-    return dict(params, layers=tuple(layers))
+    out = dict(params, layers=tuple(layers))
+    rows = params.get("embed") if "lm_head" not in model.params else None
+    if rows is not None and rows.dtype == jnp.float32 and rows.shape[0] % PANEL == 0 and rows.shape[1] % 32 == 0:
+        # tied embeddings: the head read as 4-bit codes, its best blocks re-scored from the embedding's exact rows
+        # (`layers.coarse_head_logits`; SmolLM2: a draft token 8.60 against 9.31 ms with the exact 8-bit head,
+        # interleaved in one process, and the same tokens accepted per round of 8 on three prompts)
+        out.pop("lm_head", None)
+        out.update(lm_head_coarse=requantize_4bit(np.asarray(rows).T), lm_head_rows=rows)
+    return out
 
 
 def draft_params(model, weights: str = "float32"):

@@ -169,6 +169,28 @@ def test_a_quantised_models_loops_read_its_block_codes_exactly(tmp_path, toy, qt
     np.testing.assert_array_equal(plain.tokens, ref.tokens)
 
 
+def test_an_int_dot_draft_reads_a_tied_head_as_coarse_codes_and_stays_exact(tmp_path, toy_model, toy_config):
+    """A Q4_1 model with tied embeddings and a vocabulary of whole 64-column panels: the integer-dot draft reads its
+    head as 4-bit codes with the best blocks re-scored exactly (`lm_head_coarse`), and VeriCache is still the reference
+    decoder's bit for bit."""
+    from kvjax.decode.draft_weights import draft_params
+    from pallas_kernels.linear import packed_weights_supported
+
+    m128 = toy_model(toy_config(("full_attention",) * 2, vocab=128, hidden=64, heads=4, kv_heads=2, head_dim=16))
+    write_model(tmp_path / "m.gguf", m128, tied=True, one_type=Q.Q4_1)
+    m = kvjax.load(str(tmp_path / "m.gguf"))
+    if not packed_weights_supported():
+        return
+    d = draft_params(m, "int_dot")
+    assert "lm_head" not in d and d["lm_head_coarse"].shape == (64, 128) and d["lm_head_rows"] is m.params["embed"]
+    ids = [2, 3, 4, 5, 6, 7, 8, 9, 2, 4, 6, 8]
+    ref = kvjax.reference_decode(m, ids, 12, draft_len=4, return_logits=True)
+    dot = kvjax.generate_vericache(m, ids, 12, draft_len=4, ignore_eos=True, return_logits=True,
+                                   compressor_kw=dict(draft_weights="int_dot"))
+    np.testing.assert_array_equal(dot.tokens, ref.tokens)
+    np.testing.assert_array_equal(dot.logits, ref.logits)
+
+
 def test_rotary_rows_are_llama_cpp_pairs_undone():
     w = np.arange(2 * 8 * 3).reshape(16, 3).astype(np.float32)  # 2 heads of D = 8
     stored = _interleave(w, 2)

@@ -12,7 +12,7 @@ import pytest
 import pallas_kernels
 from pallas_kernels import native
 from pallas_kernels.affine import pack_affine, unpack_affine
-from pallas_kernels.int_dot import IntDotCodes, int_dot_codes, int_dot_reference, unpack_codes
+from pallas_kernels.int_dot import IntDotCodes, int_dot_codes, int_dot_reference, requantize_4bit, unpack_codes
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -128,3 +128,39 @@ def test_int_dot_codes_are_a_pytree_of_their_arrays():
     leaves = jax.tree_util.tree_leaves(c)
     assert len(leaves) == 3 and c.nbytes == sum(a.nbytes for a in leaves)
     assert c.nbytes < p.nbytes  # f16 scales and offsets: fewer bytes than the exact codes' f32 ones
+
+
+def test_requantised_codes_are_within_half_a_step():
+    """`requantize_4bit`: an f32 matrix as 4-bit codes with per-block f16 scales and offsets, each weight within half
+    a step (plus the f16 rounding of the offset) of the original; a constant block is exact."""
+    w = np.random.default_rng(3).normal(size=(64, 128)).astype(np.float32)
+    w[:32, :64] = 0.25  # a constant block: d = 0, codes 0, m exact
+    c = requantize_4bit(w)
+    assert c.shape == (64, 128) and c.nbytes * 5 < w.nbytes
+    got = np.asarray(unpack_codes(c), np.float32).reshape(2, 32, 128)
+    d = np.asarray(c.d, np.float32).transpose(1, 0, 2).reshape(2, 128)
+    m = np.asarray(c.m, np.float32).transpose(1, 0, 2).reshape(2, 128)
+    back = (got * d[:, None] + m[:, None]).reshape(64, 128)
+    step = np.repeat(d, 32, axis=0)
+    assert np.all(np.abs(back - w) <= step / 2 + np.abs(w) * 2e-3 + 1e-6)
+    np.testing.assert_array_equal(back[:32, :64], w[:32, :64])
+
+
+def test_a_coarse_head_rescores_its_best_blocks_exactly():
+    """`coarse_head_logits`: the blocks with the largest coarse logits carry the exact head's logits (the rows'
+    products), the rest the coarse product's; with the exact argmax among them, the argmax is the exact head's."""
+    from kvjax.models.llama.layers import COARSE_BLOCK, COARSE_BLOCKS, coarse_head_logits
+
+    rng = np.random.default_rng(4)
+    rows = jnp.asarray(rng.normal(size=(1024, 64)) * 0.1, jnp.float32)  # [V, H]
+    h = jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32)
+    coarse = requantize_4bit(np.asarray(rows).T)
+    got = np.asarray(jax.jit(coarse_head_logits)(h, coarse, rows))
+    exact = np.asarray(h @ rows.T)
+    approx = np.asarray(int_dot_reference(h, coarse)) if not native.available() else np.asarray(
+        pallas_kernels.linear(h, coarse))
+    hit = np.isclose(got, exact, rtol=1e-5, atol=1e-5)
+    blocks = hit.reshape(6, -1, COARSE_BLOCK).all(-1).sum(-1)
+    assert np.all(blocks >= COARSE_BLOCKS)  # the re-scored blocks (others may agree by chance, not whole blocks)
+    np.testing.assert_allclose(got[~hit], approx[~hit], rtol=1e-6, atol=1e-6)
+    assert np.array_equal(got.argmax(-1), exact.argmax(-1))
