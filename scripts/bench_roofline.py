@@ -44,6 +44,7 @@ from bench_attention_peers import compare as attention_peers  # noqa: E402
 from bench_common import (STATIC_DRAFTERS, add_model_args, best_of, gguf_source, heldout_prompts,  # noqa: E402
                           load_bench_model, parse_drafter_spec, parse_model_args, run_meta)
 from kvjax.decode.draft_weights import draft_params  # noqa: E402
+from kvjax.models.llama.layers import COARSE_BLOCK, COARSE_BLOCKS  # noqa: E402
 
 # the refreshing drafters' draft steps (their selection stays the first one here: no verify runs in between)
 COMPRESSORS = {**STATIC_DRAFTERS, "refresh": dict(ratio=4.0), "refresh_kivi2": {}, "refresh_kivi4": {}}
@@ -95,6 +96,9 @@ def step_weight_bytes(params) -> int:
     codes, `pallas_kernels.affine`): every leaf, less the embedding table where a separate head is stored (the table
     then gives one row per token)."""
     total = tree_nbytes(params)
+    if "lm_head_coarse" in params:  # a draft's coarse head: of the embedding's rows (twice in the tree) it reads the
+        rows = params["lm_head_rows"]  # re-scored blocks (`coarse_head_logits`) and one row per token
+        return total - params["embed"].nbytes - rows.nbytes + COARSE_BLOCKS * COARSE_BLOCK * rows[0].nbytes
     return total - params["embed"].nbytes if "lm_head" in params and "embed" in params else total
 
 
