@@ -75,7 +75,7 @@ def int_dot_codes(w) -> IntDotCodes | None:
 def requantize_4bit(w) -> IntDotCodes:
     """An f32 `[K, N]` weight (K a multiple of 32, N of 64) as 4-bit codes in the integer-dot layout: per block of 32 k
     and column, d = (max - min) / 15 and m = min in f16, codes round((w - m) / d) clamped to 0..15 (lossy: for a
-    draft's coarse pass only, e.g. its output head's candidates, `kvjax.models.llama.layers.lm_head`)."""
+    draft's coarse pass only: its output head's candidates, `kvjax.models.llama.layers.coarse_head_logits`)."""
     w = np.asarray(w, np.float32)
     K, N = w.shape
     b = w.reshape(K // BLOCK, BLOCK, N)

@@ -96,9 +96,11 @@ def step_weight_bytes(params) -> int:
     codes, `pallas_kernels.affine`): every leaf, less the embedding table where a separate head is stored (the table
     then gives one row per token)."""
     total = tree_nbytes(params)
-    if "lm_head_coarse" in params:  # a draft's coarse head: of the embedding's rows (twice in the tree) it reads the
-        rows = params["lm_head_rows"]  # re-scored blocks (`coarse_head_logits`) and one row per token
-        return total - params["embed"].nbytes - rows.nbytes + COARSE_BLOCKS * COARSE_BLOCK * rows[0].nbytes
+    if "lm_head_coarse" in params:
+        # a draft's coarse head: of the embedding's rows (in the tree twice, as `embed` and `lm_head_rows`) a token
+        # reads its own and the re-scored blocks' (`coarse_head_logits`)
+        rows = params["lm_head_rows"]
+        return total - params["embed"].nbytes - rows.nbytes + (COARSE_BLOCKS * COARSE_BLOCK + 1) * rows[0].nbytes
     return total - params["embed"].nbytes if "lm_head" in params and "embed" in params else total
 
 

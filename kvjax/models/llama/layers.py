@@ -163,7 +163,7 @@ def coarse_head_logits(h: jax.Array, coarse, rows: jax.Array) -> jax.Array:
     which take the exact rows `rows` [V, H] (the model's own head). The exact argmax lies in those blocks unless the
     coarse error moved it out of the top 256 (measured on SmolLM2: the coarse head's own argmax agreed with the
     exact one on 83% of 192 positions; its top 16 held the exact argmax on all of them), so greedy drafts are the exact
-    head's at about half its bytes."""
+    head's for 60% of its bytes (SmolLM2: 18 MB of codes and 0.6 MB of rows against 30 MB of Q8_0 codes)."""
     logits = linear(h, coarse).astype(jnp.float32)
     *lead, V = logits.shape
     flat = logits.reshape(-1, V)
