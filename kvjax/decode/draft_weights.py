@@ -71,7 +71,7 @@ def _int_dot_params(model):
     if rows is not None and rows.dtype == jnp.float32 and rows.shape[0] % PANEL == 0 and rows.shape[1] % 32 == 0:
         # tied embeddings: the head read as 4-bit codes, its best blocks re-scored from the embedding's exact rows
         # (`layers.coarse_head_logits`; SmolLM2: a draft token 8.60 against 9.31 ms with the exact 8-bit head,
-        # interleaved in one process, and the same tokens accepted per round of 8 on three prompts)
+        # interleaved in one process, and the same tokens accepted per round of 8 on six prompts)
         out.pop("lm_head", None)
         out.update(lm_head_coarse=requantize_4bit(np.asarray(rows).T), lm_head_rows=rows)
     return out
