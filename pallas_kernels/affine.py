@@ -58,8 +58,9 @@ class PackedAffine(NamedTuple):
         return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
 
-def _fit(v: np.ndarray, d: np.ndarray, m: np.ndarray, lo: int, hi: int):
-    """Codes for blocks v [B, 32, n] under (d, m) [B, n], and per block whether they reproduce v bit for bit (made from
+def fit_codes(v: np.ndarray, d: np.ndarray, m: np.ndarray, lo: int, hi: int):
+    """Codes for blocks v [B, 32, n] under (d, m) [B, n] (the nearest, clipped to lo..hi; `pallas_kernels.int_dot`'s
+    lossy requantisation takes them as they are), and per block whether they reproduce v bit for bit (made from
     the integer codes, as the kernel makes them: a code 0 is +0, so d's sign sets the sign of a zero weight)."""
     safe = np.where(d == 0, np.float32(1), d)
     q = np.clip(np.rint((v - m[:, None, :]) / safe[:, None, :]), lo, hi)
@@ -103,14 +104,14 @@ def _codes(w: np.ndarray, forms=FORMS):
             with np.errstate(over="ignore"):
                 dd = ((hi.astype(np.float64) - lo) / top).astype(np.float16).astype(np.float32)
             mm = lo
-            qq, ok = _fit(v, dd, mm, 0, top)
+            qq, ok = fit_codes(v, dd, mm, 0, top)
         elif kind == "extreme":
             extreme = np.where(hi > -lo, hi, lo)
             dd, mm = (-extreme / np.float32(top)).astype(np.float32), minus_zero
-            qq, ok = _fit(v, dd, mm, -top, top - 1)
+            qq, ok = fit_codes(v, dd, mm, -top, top - 1)
         else:
             dd, mm = (np.maximum(-lo, hi) / np.float32(top)).astype(np.float32), minus_zero
-            qq, ok = _fit(v, dd, mm, -abs(top), abs(top))
+            qq, ok = fit_codes(v, dd, mm, -abs(top), abs(top))
         take = ok & ~done
         q = np.where(take[:, None, :], qq, q)
         d, m = np.where(take, dd, d), np.where(take, mm, m)
@@ -147,7 +148,13 @@ def pack_affine(w) -> PackedAffine | None:
             break
     else:
         return None
-    q, d, m = (np.concatenate(x, axis=1) for x in zip(*parts))
+    return pack_codes(*(np.concatenate(x, axis=1) for x in zip(*parts)))
+
+
+def pack_codes(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> PackedAffine:
+    """Integer codes q [K, N] with per-block scales and offsets d, m [K / 32, N] (weight = fma(q, d, m)) in
+    `PackedAffine`'s panel layout: two codes per byte where every code fits 4 bits."""
+    N = q.shape[1]
 
     def panels(a):
         rows = a.shape[0]

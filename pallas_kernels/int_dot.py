@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.affine import BLOCK, PANEL, PackedAffine
+from pallas_kernels.affine import BLOCK, PANEL, PackedAffine, fit_codes, pack_codes
 
 TOP = 32767  # a row's largest int16 code
 
@@ -82,12 +82,8 @@ def requantize_4bit(w) -> IntDotCodes:
     lo, hi = b.min(axis=1), b.max(axis=1)  # [K / 32, N]
     d = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
     m = lo.astype(np.float16).astype(np.float32)
-    codes = np.clip(np.round((b - m[:, None]) / np.where(d > 0, d, 1)[:, None]), 0, 15).astype(np.uint8).reshape(K, N)
-    P = N // PANEL
-    panels = codes.reshape(K, P, PANEL).transpose(1, 0, 2)  # [P, K, 64]
-    q = panels[:, :, :PANEL // 2] | (panels[:, :, PANEL // 2:] << 4)  # column j low nibble, j + 32 high
-    per = lambda a: a.reshape(K // BLOCK, P, PANEL).transpose(1, 0, 2)  # noqa: E731 - [P, K / 32, 64]
-    return int_dot_codes(PackedAffine(jnp.asarray(q), jnp.asarray(per(d)), jnp.asarray(per(m))))
+    codes, _ = fit_codes(b, d, m, 0, 15)  # the codes nearest w (exact or not: lossy here)
+    return int_dot_codes(pack_codes(codes.reshape(K, N), d, m))
 
 
 def unpack_codes(w: IntDotCodes) -> jax.Array:

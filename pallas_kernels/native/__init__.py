@@ -210,23 +210,13 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
     Returns:
         `(o f32[B, T, N, D], m f32[B, T, N], l f32[B, T, N])`, as `pallas_kernels.attend(..., return_stats=True)`.
     """
-    if not available():
-        raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
-    B, T, N, D = q.shape
-    K = k.shape[1]
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
-    scale = D**-0.5 if scale is None else scale
+    call, attrs = _stats_call(TARGET, q, k, window, scale, block)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # the reference's, for the backward pass
     f32 = jnp.float32
     v = k if v is None else v
     # bf16 keys and values are read as they are (widened exactly inside the kernel): no f32 copy of the cache
     kv_dtype = jnp.bfloat16 if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 else f32
     k, v = k.astype(kv_dtype), v.astype(kv_dtype)
-    out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
-           jax.ShapeDtypeStruct((B, T, N), f32))
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    attrs = dict(window=np.int64(0 if window is None else window), scale=np.float32(scale),
-                 block=np.int64(default_block(D) if block is None else block))
     q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
 
     # The custom call has no derivative: gradients (training, e.g. DeepSeek-V4's train step) take the f32
@@ -260,24 +250,34 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
         q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos, k_pos, window, scale, block:
             as `attend_stats`.
     """
-    if not available():
-        raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
-    B, T, N, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    call, attrs = _stats_call(INT8_TARGET, q, k, window, scale, block)
+    B, K, S = k.shape[:3]
     if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
         raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
     if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
         raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
     f32 = jnp.float32
+    return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
+                k_pos.astype(jnp.int32), **attrs)
+
+
+def _stats_call(target, q, k, window, scale, block):
+    """(the custom call of one of kernel 0's entry points, its attrs) for queries q [B, T, N, D] over keys
+    [B, K, S, D]: the (o, m, l) statistics' shapes, window / scale / block with their defaults; raises where the
+    library is not built or N is not a multiple of K."""
+    if not available():
+        raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
            jax.ShapeDtypeStruct((B, T, N), f32))
-    call = jax.ffi.ffi_call(INT8_TARGET, out, vmap_method="sequential")
-    return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
-                k_pos.astype(jnp.int32), window=np.int64(0 if window is None else window),
-                scale=np.float32(D**-0.5 if scale is None else scale),
-                block=np.int64(default_block(D) if block is None else block))
+    attrs = dict(window=np.int64(0 if window is None else window),
+                 scale=np.float32(D**-0.5 if scale is None else scale),
+                 block=np.int64(default_block(D) if block is None else block))
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential"), attrs
 
 
 def gather_int8(x, pos):
