@@ -104,20 +104,36 @@ struct Rows {
   std::vector<const float*> q;
 };
 
-// Prefetches [p, p + left) into L2 a few lines at a time: the next block's keys and values stream in from memory while
-// this block is computed (measured: without it 1-2 rows per tile ran 1.3x slower, the key transposition waiting on
-// memory; at many rows the kernel is compute-bound and would stall on each new block). Spread over the tiles' inner
-// loops rather than issued as one burst per panel: a burst filled the line-fill buffers and stalled the core with
-// nothing to compute (SmolLM2's shape at 8K keys, interleaved A/B: 1-9 rows 0.89-0.90x the burst's time, 33 rows
-// 1.01x).
+// Prefetches two ranges, [k, k + k_left) and [v, v + v_left), into L2 a few lines at a time, alternating between them:
+// the next block's keys and values stream in from memory while this block is computed (measured: without it 1-2 rows
+// per tile ran 1.3x slower, the key transposition waiting on memory; at many rows the kernel is compute-bound and would
+// stall on each new block). Spread over the tiles' inner loops (and the key transposition's) rather than issued as
+// one burst per panel: a burst filled the line-fill buffers and stalled the core with nothing to compute (SmolLM2's
+// shape at 8K keys, interleaved A/B: 1-9 rows 0.89-0.90x the burst's time, 33 rows 1.01x). Keys and values together
+// through the whole block, not the keys while scoring and the values during p.V: two streams in flight keep more of
+// the memory system busy (a plain read of a block's keys and values interleaved ran 0.93x the time of keys then values)
+// -- SmolLM2's decode attention at 8K, 30 layers, interleaved A/B in one process: 0.92-0.93x the time; a 9-row verify
+// block 0.98x; 513 rows unchanged.
 struct Prefetch {
-  const char* p = nullptr;
-  int64_t left = 0;
-  // Up to n more lines: called from inside a tile's loop (once per step over d or over keys), so the stream's
+  const char *k = nullptr, *v = nullptr;
+  int64_t k_left = 0, v_left = 0;
+  bool values_next = false;
+  // Up to n more lines: called from inside a tile's loop (once per step over d or over keys), so the streams'
   // requests are spread over the computation instead of issued in bursts.
   void Lines(int64_t n) {
 #if KVJAX_AVX2
-    for (; n > 0 && left > 0; --n, left -= 64, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+    for (; n > 0 && (k_left > 0 || v_left > 0); --n) {
+      if (v_left > 0 && (values_next || k_left <= 0)) {
+        _mm_prefetch(v, _MM_HINT_T1);
+        v += 64;
+        v_left -= 64;
+      } else {
+        _mm_prefetch(k, _MM_HINT_T1);
+        k += 64;
+        k_left -= 64;
+      }
+      values_next = !values_next;
+    }
 #else
     (void)n;
 #endif
@@ -132,7 +148,7 @@ struct Scratch {
   std::vector<float> kT, s, rmax;
   std::vector<int32_t> kp, vis;
   std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
-  Prefetch* pf = nullptr;     // the stream the tiles now running prefetch from (the next block's keys or values)
+  Prefetch* pf = nullptr;     // the streams the tiles now running prefetch from (the next block's keys and values)
   int64_t pf_lines = 0;       // lines per step of a tile's inner loop
 };
 
@@ -190,9 +206,10 @@ inline float Value(const T* p, const float* sc, int64_t j) {
 }
 
 // Transposes keys [0, n) (kb: n x D, f32, bf16 or int8 codes with scales ks) into kT[d * ld + j] as f32,
-// zero-padding columns [n, ld).
+// zero-padding columns [n, ld); issues two lines of `pf` per 16 x 16 step (measured: 0.97-0.98x the time of a
+// decode row's attention without, whose transposition is a large part of its work).
 template <typename T>
-inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT) {
+inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT, Prefetch& pf) {
   int64_t j = 0;
 #if KVJAX_AVX512
   // 16 keys x 16 dims per step where the CPU has AVX-512: half the instructions per value of the 8 x 8 steps below,
@@ -202,6 +219,7 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
     for (; j + 16 <= n; j += 16) {
       const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        pf.Lines(2);
         __m512 r[16], t[16], u[16];
         for (int i = 0; i < 16; ++i) {
           r[i] = Load16(k0 + i * D + d0);  // key j + i's values of d0..d0+15
@@ -273,6 +291,7 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
     }
   }
 #endif
+  (void)pf;  // (the 8 x 8 steps issue none: measured on AVX-512 only)
   for (int64_t d = 0; d < D; ++d)
     for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Value(kb + jj * D + d, ks, jj) : 0.0f;
 }
@@ -635,7 +654,7 @@ constexpr int64_t kRowTile = 6;
 // the padded block, p.V in slot order. The scalar build performs the same roundings in the same order.
 template <typename T>
 void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratch& W, const Block<T>& blk,
-               Prefetch& next_k, Prefetch& next_v) {
+               Prefetch& next) {
   const int64_t D = P.D, BK = P.block, n = blk.n, npad = blk.npad;
   const T* vb = blk.v;
   float alpha[kChunk];
@@ -653,17 +672,17 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
-                   W.kT.data());
-    // each row tile prefetches its share of the next block's keys (this panel's bytes over the tiles), a few
-    // lines per step over d
+                   W.kT.data(), next);
+    // each row tile issues its share of a panel's bytes of the next block's keys and values, a few lines per step
+    // over d
     const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
-    W.pf = &next_k;
+    W.pf = &next;
     W.pf_lines = (lines + D - 2) / std::max<int64_t>(D - 1, 1);
     for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
       ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
   }
 #else
-  (void)next_k;
+  (void)next;
   for (int64_t a = 0; a < na; ++a) {
     const int64_t row = act[a];
     const float* q = R.q[row];
@@ -715,14 +734,13 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const bool first = j0 == 0;
 #if KVJAX_AVX2
     const int64_t tiles = std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile);
-    // each row tile prefetches its share of the next block's values, a few lines per key
+    // each row tile issues its share of a sub-block's bytes of the next block's keys and values, a few lines per key
     const int64_t lines = (m * D * static_cast<int64_t>(sizeof(T)) / tiles + 63) / 64;
-    W.pf = &next_v;
+    W.pf = &next;
     W.pf_lines = (lines + m - 1) / m;
     for (int64_t i0 = 0; i0 < nl; i0 += kRowTile)
       ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, blk.vs, j0, m, first);
 #else
-    (void)next_v;
     for (int64_t i = 0; i < nl; ++i) {
       const int64_t a = live[i];
       float* o = R.o.data() + act[a] * D;
@@ -809,18 +827,19 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
       if (!(R.hi[r] < R.lo[r] || bmin[i] > R.hi[r] || bmax[i] < R.lo[r])) act[na++] = r;
     if (na == 0) continue;
     for (int64_t j = 0; j < blk.npad; ++j) W.kp[j] = j < blk.n ? kp[j0 + j] : -1;  // -1: never visible (lo >= 0)
-    Prefetch next_k, next_v;  // the next block (its keys while scoring, its values during p.V)
+    Prefetch next;  // the next block's keys and values, both through this block's scores and p.V
     if (i + 1 < used) {
       const int64_t bytes = std::min(BK, S - j0 - BK) * D * static_cast<int64_t>(sizeof(T));
-      next_k = Prefetch{reinterpret_cast<const char*>(blk.k + BK * D), bytes};
-      next_v = Prefetch{reinterpret_cast<const char*>(blk.v + BK * D), bytes};
+      next.k = reinterpret_cast<const char*>(blk.k + BK * D);
+      next.v = reinterpret_cast<const char*>(blk.v + BK * D);
+      next.k_left = next.v_left = bytes;
     }
     if (P.k_scale != nullptr) {  // int8 codes: each key's and value's scale, widened with it (`Value`)
       blk.ks = P.k_scale + (b * P.K + h) * S + j0;
       blk.vs = P.v_scale + (b * P.K + h) * S + j0;
     }
     for (int64_t a0 = 0; a0 < na; a0 += kChunk)
-      BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, blk, next_k, next_v);
+      BlockRows(P, R, act.data() + a0, std::min(kChunk, na - a0), W, blk, next);
   }
   for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
