@@ -182,6 +182,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         met.device_resident_bytes = tree_nbytes(full) + met.draft_bytes
         met.device_peak_bytes = met.device_resident_bytes
 
+    spare = None  # offload: the previous round's assembled full cache, which the next fetch overwrites
     out = [int(first[0])]
     if (return_logits or return_logprobs) and first_logits is None:
         raise InputError("return_logits / return_logprobs need first_logits (the prefill's last row)")
@@ -210,7 +211,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         drafts.block_until_ready()
         tb = time.perf_counter()
         if offload:
-            fetched = offl.fetch(host_part)
+            fetched = offl.fetch(host_part, into=spare)  # into the last round's buffers (CPU: no fresh pages)
+            spare = None
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
             emitted, n, device_part, dcache, logits, aux, committed = verify_mod.verify_offloaded(
@@ -233,6 +235,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             if reselect:
                 dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
                 jax.block_until_ready(dcache)
+        if offload:
+            spare = offl.reusable(family, committed)
         del committed
         te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round

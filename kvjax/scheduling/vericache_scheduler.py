@@ -229,13 +229,14 @@ class VeriCacheScheduler:
         self.mem.release(self._held)
         self._held = 0
         self.batch = self.drafts = None
-        self.queue, self.inflight = [], {}
+        self.queue, self.inflight, self.spare = [], {}, []
 
     def _reset(self, requests):
         self.queue = sorted(enumerate(requests), key=lambda p: (p[1].arrival, p[0]))
         self.live: dict[int, _Live] = {}  # slot -> request
         self.done: dict[int, list] = {}
         self.inflight: dict[int, tuple] = {}  # slot -> fetched full KV (device)
+        self.spare: list = []  # verified full caches' buffers, which the next fetches overwrite (`offload.fetch`)
         self.mem = DeviceMemory(self.budget)
         self.batch = None
         self.n_slots = 0
@@ -324,13 +325,15 @@ class VeriCacheScheduler:
 
     def _prefetch(self, slots, busy: int = 0) -> None:
         """Start host->device copies of the next full caches, at most `verify_slots` on the device at once
-        (`busy` = full caches already on the device outside `inflight`, i.e. being verified)."""
+        (`busy` = full caches already on the device outside `inflight`, i.e. being verified; spare buffers count
+        too: a copy takes one, or drops one first)."""
         issued = False
         for s in slots:
             if len(self.inflight) + busy >= self.verify_slots:
                 break
             if s not in self.inflight and self.live[s].host_kv is not None:
-                self.inflight[s] = offl.fetch(self.live[s].host_kv)
+                into = self.spare.pop() if self.spare else None
+                self.inflight[s] = offl.fetch(self.live[s].host_kv, into=into)
                 issued = True
         if issued:  # (sampling walks every live array: only when the device memory grew)
             self.mem.sample(self.emitted)
@@ -376,6 +379,8 @@ class VeriCacheScheduler:
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
+        if len(self.inflight) + len(self.spare) < self.verify_slots:  # the pool's memory, kept for the next fetch
+            self.spare.append(offl.reusable(fam, scratch))
         del scratch
         new = np.asarray(emitted[0, :n_host + 1])
         r.tail = tail
@@ -454,7 +459,9 @@ class VeriCacheScheduler:
         if req.max_new_tokens < 1:
             raise ValueError(f"request {idx}: max_new_tokens must be >= 1")
 
-        # full cache on the device (it occupies the verification slot), compressed into a draft row
+        # full cache on the device (it occupies the verification slot, so no spare buffer may stay), compressed into
+        # a draft row
+        self.spare.clear()
         prompt = np.asarray(req.prompt, np.int32).reshape(-1)
         if req.prefilled is not None:
             full, first = req.prefilled
