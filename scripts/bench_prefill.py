@@ -1,10 +1,10 @@
 """Benchmark: prompt prefill, kvjax as shipped vs its earlier form vs transformers, interleaved in one run.
 
 Contenders, on the same checkpoint and held-out prompt, each run `--reps` times in turn:
-  - kvjax: `steps.prefill` as shipped (256-token chunks, key blocks of `PREFILL_BLOCK` for chunk-sized queries,
-    the vocabulary projection of the last row only);
-  - kvjax (before): the same chunks with every row's logits computed and 1024-slot key blocks (the form until
-    this change; the jit caches are cleared between the two);
+  - kvjax: `steps.prefill` as shipped (1024-token chunks while that many tokens remain, then 256-token ones; key
+    blocks of `PREFILL_BLOCK` for chunk-sized queries; the vocabulary projection of the last row only);
+  - kvjax (before): 256-token chunks with every row's logits computed and 1024-slot key blocks (the form before
+    `PREFILL_BLOCK`; the jit caches are cleared between the two);
   - transformers: Hugging Face `LlamaForCausalLM` in PyTorch (CPU, f32, eager), one forward over the prompt with a
     `DynamicCache`, as a user would prefill.
 Reports tokens/s (best of the reps) and the ratios; `--json` writes them.
@@ -29,12 +29,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
-from bench_common import bench_prompts, load_bench_model, parse_contexts  # noqa: E402
+from bench_common import bench_prompts, load_bench_model, parse_contexts, run_meta  # noqa: E402
 
 
-def kvjax_prefill(model, prompt, before: bool) -> float:
-    """Seconds one prefill of `prompt` takes (compiled beforehand on its first chunk)."""
-    cache = model.family.init_cache(model.config, 1, capacity_for(prompt.size, 256, 32), model.cache_dtype)
+def kvjax_prefill(model, prompt, before: bool, capacity: int | None = None) -> float:
+    """Seconds one prefill of `prompt` takes into a cache of `capacity` slots (default: `prompt`'s own bucket)."""
+    capacity = capacity or capacity_for(prompt.size, 256, 32)
+    cache = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
+    if not before:  # as shipped: `steps.prefill` (bulk chunks, then DEFAULT_CHUNK pieces)
+        t = time.perf_counter()
+        jax.block_until_ready(steps.prefill(model, cache, prompt))
+        return time.perf_counter() - t
     chunk = steps.DEFAULT_CHUNK
     t = time.perf_counter()
     for start in range(0, prompt.size, chunk):
@@ -96,7 +101,9 @@ def main(argv=None):
         for _ in range(args.reps):
             for mode, before in (("kvjax", False), ("kvjax (before)", True)):
                 set_mode(before)
-                kvjax_prefill(model, prompt[:steps.DEFAULT_CHUNK], before)  # compile
+                # compile: one chunk into a cache of the timed run's capacity (the cache's shape is part of what a
+                # chunk's program is compiled for; a smaller warm-up cache left the timed run compiling)
+                kvjax_prefill(model, prompt[:steps.BULK_CHUNK + 1], before, capacity_for(prompt.size, 256, 32))
                 times[mode].append(kvjax_prefill(model, prompt, before))
             if hf is not None:
                 transformers_prefill(hf, prompt[:256])
@@ -116,8 +123,8 @@ def main(argv=None):
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(dict(meta=dict(model=name, backend=jax.default_backend(), cpus=os.cpu_count(),
-                                     chunk=steps.DEFAULT_CHUNK, prefill_block=SHIPPED_BLOCK, reps=args.reps),
+            json.dump(dict(meta=dict(model=name, chunk=steps.DEFAULT_CHUNK, bulk_chunk=steps.BULK_CHUNK,
+                                     prefill_block=SHIPPED_BLOCK, reps=args.reps, **run_meta()),
                            records=records), f, indent=1)
         print(f"[bench] json -> {args.json}")
     return records

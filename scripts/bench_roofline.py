@@ -113,7 +113,7 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
     cap = capacity_for(L, DECODE_STEPS * 8, X_MAX)
     # warm-up: compile the prefill chunk and the decode loop at this capacity on a short prompt
     warm = family.init_cache(config, 1, cap, model.cache_dtype)
-    _, warm = steps.prefill(model, warm, prompt[:steps.DEFAULT_CHUNK + 1])
+    _, warm = steps.prefill(model, warm, prompt[:min(L, steps.BULK_CHUNK + 1)])  # both chunk widths (`chunk_plan`)
     seed = jnp.zeros((1,), jnp.int32)
     first = jnp.zeros((1,), jnp.int32)
     jax.block_until_ready(steps.decode(loop, config, warm, first, seed, num_steps=DECODE_STEPS, family=family,
@@ -125,8 +125,9 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
     logits, full = steps.prefill(model, full, prompt)
     jax.block_until_ready(full)
     prefill_s = time.perf_counter() - t
-    chunks = -(-L // steps.DEFAULT_CHUNK)
-    kv_rows_read = sum(min((i + 1) * steps.DEFAULT_CHUNK, L) for i in range(chunks))
+    plan = steps.chunk_plan(L)
+    chunks = len(plan)
+    kv_rows_read = sum(min(start + width, L) for start, width in plan)
     row_bytes = family.read_bytes(full, 1) - family.read_bytes(full, 0)
     # every chunk reads the weights and the cached rows up to its end (prefill is compute-bound: the ratio to a
     # memory floor is large by nature; the peers are its comparison)

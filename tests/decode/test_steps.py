@@ -84,3 +84,25 @@ def test_prefill_projects_only_the_last_row_unless_all_logits_are_asked(hf_model
     _, lg, _ = steps.prefill_chunk(m.params, m.config, _cache(m, 256), jnp.asarray(ids[None, :32], jnp.int32),
                                    jnp.asarray([32], jnp.int32), family=m.family, impl=m.attention)
     assert lg is None
+
+
+def test_chunk_plan_takes_bulk_chunks_while_they_fit_then_short_ones():
+    assert steps.chunk_plan(2600, 256, 1024) == [(0, 1024), (1024, 1024), (2048, 256), (2304, 256), (2560, 256)]
+    assert steps.chunk_plan(2048, 256, 1024) == [(0, 1024), (1024, 1024)]
+    assert steps.chunk_plan(300, 256, 1024) == [(0, 256), (256, 256)]
+    assert steps.chunk_plan(300, 256, None) == steps.chunk_plan(300, 256, 128) == [(0, 256), (256, 256)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # full attention; full + sliding layers
+def test_bulk_chunks_leave_the_cache_and_logits_of_short_chunks(hf_model_dir, kind):
+    """The bulk-then-short schedule gives the cache and the last row's logits of short chunks only, up to f32 rounding
+    (XLA may group a 64-wide model's products differently by chunk width), and the same next token."""
+    m = kvjax.load(hf_model_dir(kind)[1])
+    ids = (np.arange(300) * 7) % m.config.vocab_size
+    last_a, a = steps.prefill(m, _cache(m, 512), ids, chunk=32, bulk_chunk=128)
+    last_b, b = steps.prefill(m, _cache(m, 512), ids, chunk=32, bulk_chunk=None)
+    np.testing.assert_allclose(np.asarray(last_a), np.asarray(last_b), rtol=1e-5, atol=1e-5)
+    assert int(np.argmax(last_a)) == int(np.argmax(last_b))
+    assert int(a.length[0]) == int(b.length[0]) == 300
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
