@@ -807,13 +807,19 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
-  Scratch W;
-  W.kT.resize(D * 64);  // the largest panel (PanelKeys)
-  W.kp.resize(BK);
-  W.s.resize(kChunk * BK);
-  W.rmax.resize(8 * kChunk);
-  W.vis.resize(kChunk);
-  W.full.resize(kChunk);
+  // The scratch is the thread's, kept from call to call and only ever grown: allocating and zero-filling it per unit
+  // (the scores alone 96 x BLOCK floats, 192 KiB at BLOCK = 512) cost a decode step 360 memsets of 192 KiB. Nothing in
+  // it is read before this unit writes it (scores, maxima and flags are written per block before use).
+  thread_local Scratch W;
+  auto grow = [](auto& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  };
+  grow(W.kT, D * 64);  // the largest panel (PanelKeys)
+  grow(W.kp, BK);
+  grow(W.s, std::min<int64_t>(kChunk, NR) * BK);
+  grow(W.rmax, 8 * kChunk);
+  grow(W.vis, kChunk);
+  grow(W.full, kChunk);
   std::vector<int64_t> act(NR);
   for (int64_t i = i0; i < used; ++i) {
     if (bmax[i] < 0) continue;
