@@ -163,12 +163,9 @@ struct Block {
   int32_t pmin, pmax;
 };
 
-// Rows handled together against one key block (their scores stay in L2 with the block: 192 x 512 floats, 384 KiB); any
-// multiple of the row tile sizes works, the result does not depend on it. Each chunk transposes the block's keys again,
-// and a call's last chunk holds the rows left over (a 33-row verify of SmolLM2, 99 rows per KV head, ran 96 + 3).
-// Measured against 96 (Xeon, 2 MiB L2; SmolLM2's shape at 8K, 30 layers, interleaved in one process): 171 query rows
-// 0.951x, 33 rows 0.964-0.984x, one row 1.00x; 288 gained no more.
-constexpr int64_t kChunk = 192;
+// Rows handled together against one key block (their scores stay in L2 with the block); any multiple of the row
+// tile sizes works, the result does not depend on it.
+constexpr int64_t kChunk = 96;
 
 // A tile's rows are split among threads (when its tiles do not divide among them) only from this many rows: a unit
 // costs about a + b * rows (a: reading and transposing the tile's keys, b: one row's arithmetic); for 3 tiles on 2
@@ -810,19 +807,13 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
-  // The scratch is the thread's, kept from call to call and only ever grown: allocating and zero-filling it per unit
-  // (the scores alone 96 x BLOCK floats, 192 KiB at BLOCK = 512) cost a decode step 360 memsets of 192 KiB. Nothing in
-  // it is read before this unit writes it (scores, maxima and flags are written per block before use).
-  thread_local Scratch W;
-  auto grow = [](auto& v, int64_t n) {
-    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  };
-  grow(W.kT, D * 64);  // the largest panel (PanelKeys)
-  grow(W.kp, BK);
-  grow(W.s, std::min<int64_t>(kChunk, NR) * BK);
-  grow(W.rmax, 8 * kChunk);
-  grow(W.vis, kChunk);
-  grow(W.full, kChunk);
+  Scratch W;
+  W.kT.resize(D * 64);  // the largest panel (PanelKeys)
+  W.kp.resize(BK);
+  W.s.resize(kChunk * BK);
+  W.rmax.resize(8 * kChunk);
+  W.vis.resize(kChunk);
+  W.full.resize(kChunk);
   std::vector<int64_t> act(NR);
   for (int64_t i = i0; i < used; ++i) {
     if (bmax[i] < 0) continue;
