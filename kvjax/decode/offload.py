@@ -39,7 +39,7 @@ def fetch(host_tree, device=None, into=None):
     before: a GPU's allocator reuses device memory without faults, and its copy engine should keep the transfer.
     """
     _, dev = shardings(device)
-    if into is not None and dev.device_set.pop().platform == "cpu" and _same_arrays(into, host_tree):
+    if into is not None and _platform(dev) == "cpu" and _same_arrays(into, host_tree):
         return _copy_into(into, host_tree, dev)
     del into
     return jax.tree.map(lambda a: jax.device_put(a, dev), host_tree)
@@ -47,8 +47,18 @@ def fetch(host_tree, device=None, into=None):
 
 def reusable(family, assembled):
     """The arrays of an assembled full cache (a verify's committed cache) that a later `fetch(into=...)` of the same
-    request shape can overwrite: the family's host part of it (`offload_split`), aliasing its buffers."""
-    return family.offload_split(assembled, 1)[0]
+    request shape can overwrite: the family's host part of it (`offload_split`), aliasing its buffers. None off the
+    CPU, where `fetch` would not use them: holding them until the next fetch would keep a second full cache in device
+    memory."""
+    part = family.offload_split(assembled, 1)[0]
+    leaves = jax.tree.leaves(part)
+    if not leaves or any(d.platform != "cpu" for d in leaves[0].devices()):
+        return None
+    return part
+
+
+def _platform(sharding) -> str:
+    return next(iter(sharding.device_set)).platform
 
 
 def _same_arrays(a, b) -> bool:

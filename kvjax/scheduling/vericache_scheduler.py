@@ -325,8 +325,8 @@ class VeriCacheScheduler:
 
     def _prefetch(self, slots, busy: int = 0) -> None:
         """Start host->device copies of the next full caches, at most `verify_slots` on the device at once
-        (`busy` = full caches already on the device outside `inflight`, i.e. being verified; spare buffers count
-        too: a copy takes one, or drops one first)."""
+        (`busy` = full caches already on the device outside `inflight`, i.e. being verified; a copy writes into a
+        spare verified cache's buffers where there is one, `offload.fetch(into=...)`)."""
         issued = False
         for s in slots:
             if len(self.inflight) + busy >= self.verify_slots:
@@ -379,8 +379,10 @@ class VeriCacheScheduler:
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
-        if len(self.inflight) + len(self.spare) < self.verify_slots:  # the pool's memory, kept for the next fetch
-            self.spare.append(offl.reusable(fam, scratch))
+        spare = offl.reusable(fam, scratch)  # (None off the CPU)
+        if spare is not None and len(self.inflight) + len(self.spare) < self.verify_slots:
+            self.spare.append(spare)  # the pool's memory, kept for the next fetch
+        del spare
         del scratch
         new = np.asarray(emitted[0, :n_host + 1])
         r.tail = tail
