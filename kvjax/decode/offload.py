@@ -50,11 +50,11 @@ def reusable(family, assembled):
     request shape can overwrite: the family's host part of it (`offload_split`), aliasing its buffers. None off the
     CPU, where `fetch` would not use them: holding them until the next fetch would keep a second full cache in device
     memory."""
-    part = family.offload_split(assembled, 1)[0]
-    leaves = jax.tree.leaves(part)
+    leaves = jax.tree.leaves(assembled)
     if not leaves or any(d.platform != "cpu" for d in leaves[0].devices()):
-        return None
-    return part
+        return None  # (before splitting: off the CPU the split's small device parts would be made for nothing)
+    part = family.offload_split(assembled, 1)[0]
+    return part if jax.tree.leaves(part) else None
 
 
 def _platform(sharding) -> str:

@@ -47,10 +47,10 @@ def test_reusable_is_the_host_part_of_the_assembled_cache():
         def offload_split(full, tail_capacity):
             return full[0], full[1]
 
-    part = _tree(2)
-    got = offl.reusable(Family, (part, "tail"))
+    part, tail = _tree(2), jnp.zeros((1, 2, 4, 8), jnp.float32)  # (an assembled cache: host part, device part)
+    got = offl.reusable(Family, (part, tail))
     if jax.devices()[0].platform != "cpu":
         assert got is None  # off the CPU nothing is held for the next fetch
         return
     assert got is part
-    assert offl.reusable(Family, ((None,), "tail")) is None  # nothing to reuse
+    assert offl.reusable(Family, ((None,), tail)) is None  # nothing to reuse
