@@ -382,13 +382,39 @@ def render_parity(items) -> str:
     return "\n\n".join(parts)
 
 
+def render_step_ops(items) -> str:
+    """Per step: each native kernel's time per token (per verify) with the bytes it reads and its floor, then every XLA
+    instruction together; the step's own (untraced) time beside."""
+    header = ["model", "step (untraced ms)", "operation", "calls", "ms", "share", "MB read", "floor ms", "vs floor"]
+    rows = []
+    for res, doc in items:
+        if doc is None:
+            rows.append([res.label, PENDING] + [DASH] * 7)
+            continue
+        for rec in records(doc):
+            step = f"{rec['step']} ({num(rec['step_ms'])})"
+            ops = rec["ops"]
+            total = max(sum(o["ms"] for o in ops), 1e-12)
+            kernels = [o for o in ops if o["op"].startswith("kvjax_")]  # this library's native kernels
+            xla = [o for o in ops if not o["op"].startswith("kvjax_")]  # XLA's instructions and its own custom calls
+            for o in kernels:
+                rows.append([res.label, step, f"`{o['op']}`", num(o["count"]), num(o["ms"]),
+                             f"{100 * o['ms'] / total:.0f}%", num(o["bytes"] / 1e6) if o["bytes"] else DASH,
+                             num(o.get("floor_ms")), ratio(o.get("ratio"))])
+            if xla:
+                ms = sum(o["ms"] for o in xla)
+                rows.append([res.label, step, f"XLA's operations ({len(xla)} kinds)", num(sum(o["count"] for o in xla)),
+                             num(ms), f"{100 * ms / total:.0f}%", DASH, DASH, DASH])
+    return table(header, rows)
+
+
 RENDER = {"exact_tasks": render_exact_tasks, "parity": render_parity, "roofline": render_roofline,
           "vericache": render_vericache, "vericache_ablation": render_vericache,
           "vericache_cheap_drafts": render_vericache,
           "vericache_exactness": render_vericache_exactness, "scheduler": render_scheduler,
           "prefill": render_prefill, "fused_loops": render_fused_loops, "prefix_cache": render_prefix_cache,
           "remote_prefix": render_remote_prefix, "attention_peers": render_attention_peers,
-          "short_verify": render_short_verify}
+          "short_verify": render_short_verify, "step_ops": render_step_ops}
 
 
 # ---- blocks and the README ---------------------------------------------------------------------------------------
@@ -413,7 +439,7 @@ def machine_line(docs: list) -> str:
             seen.append(f"{model}" + (f", {_find(doc, ('cpus',))} cores" if _find(doc, ("cpus",)) else "")
                         + (f", {l3} L3" if l3 else ""))
     recorded = [s for s in dict.fromkeys(seen)]
-    if recorded and len(recorded) == len([d for d in docs if d is not None]):
+    if recorded and len(seen) == len([d for d in docs if d is not None]):  # every file recorded its machine
         return "Machine: " + "; ".join(recorded) + "."
     if recorded:
         return f"Machine: {'; '.join(recorded)} (recorded); the others {DEFAULT_MACHINE} (not recorded in their files)."

@@ -124,3 +124,53 @@ def test_gguf_export_dequantised_keeps_metadata_and_the_dequantised_values(tmp_p
     assert np.array_equal(np.asarray(got["blk.0.ffn_up.weight"].data), want)
     assert not np.array_equal(want, weight)  # Q8_0 is lossy: the export holds what the codes say
     assert np.array_equal(np.asarray(got["output_norm.weight"].data), np.arange(64, dtype=np.float32))
+
+
+def _op_profile():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import op_profile
+
+    return op_profile
+
+
+def test_op_profile_reads_custom_calls_and_their_operand_bytes_from_hlo_text():
+    """A custom call's target and the bytes of the shapes it reads (nested layout braces and all); XLA instructions
+    grouped by kind; loops and branches, which span their contents, left out."""
+    op = _op_profile()
+    line = ('  %ffi_call.7 = f32[1,1,960]{2,1,0} custom-call(%a, %b, %c, %d), custom_call_target="kvjax_matmul_int_dot", '
+            'operand_layout_constraints={f32[1,1,576]{2,1,0}, u8[15,288,64]{2,1,0}, f16[15,18,64]{2,1,0}, '
+            'f16[15,18,64]{2,1,0}}, api_version=API_VERSION_TYPED_FFI')
+    calls = op.custom_calls("HloModule jit_step, entry\n" + line)
+    assert calls == {"ffi_call.7": ("kvjax_matmul_int_dot", 576 * 4 + 15 * 288 * 64 + 2 * 2 * 15 * 18 * 64)}
+    assert op.shape_bytes("s8[1,3,2016,64]{3,2,1,0} pred[] bf16[4]") == 3 * 2016 * 64 + 1 + 8
+    assert op.group_of("ffi_call.7", calls) == "kvjax_matmul_int_dot"
+    assert op.group_of("multiply_add_fusion.29", calls) == "xla: multiply_add_fusion"
+    assert op.group_of("while.3", calls) is None and op.group_of("ThunkExecutor::Execute", calls) is None
+
+
+def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
+    """On the bundled model: a decode step, a draft token and a verify, each broken into its operations; the decode's
+    attention reads the whole filled cache and the weights are read by the products, each kernel with its floor."""
+    from pallas_kernels import native
+
+    out = tmp_path / "ops.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step_ops.py"), "--context", "256",
+                        "--reps", "1", "--compressor", "refresh", "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert [x["step"] for x in records] == ["full-cache decode", "draft token [refresh]", "verify x=8"]
+    for rec in records:
+        assert rec["ops"] and rec["ops_ms"] > 0 and rec["step_ms"] > 0
+        assert all(o["count"] > 0 and (o["bytes"] == 0 or o["floor_ms"] > 0) for o in rec["ops"])
+    if native.available():
+        import kvjax
+
+        m = kvjax.load(os.path.join(ROOT, "checkpoints", "kvjax-code-tiny"))
+        c = m.config
+        decode = {o["op"]: o for o in records[0]["ops"]}
+        attend = decode["kvjax_attend"]
+        assert attend["count"] % c.num_layers == 0  # the same calls in every layer
+        # the calls' operands hold every layer's keys and values of the 256-token prompt at least
+        assert attend["bytes"] > c.num_layers * 2 * c.num_kv_heads * 256 * c.head_dim * 4
+        assert any(o["op"].startswith("kvjax_matmul") for o in records[0]["ops"])
