@@ -76,7 +76,7 @@ def trace_events(fn, reps: int) -> list[dict]:
 
 
 # Instructions whose events span the ones they run (a loop's body, a branch): counted through their contents.
-CONTAINERS = ("while", "conditional", "call", "end")
+CONTAINERS = ("while", "conditional", "call")
 
 
 def group_of(name: str, calls: dict) -> str | None:
