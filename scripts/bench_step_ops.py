@@ -1,9 +1,9 @@
 """Benchmark: where each step's time goes, operation by operation, against each operation's memory floor.
 
-On one held-out prompt: a full-cache decode step, a draft token (x = 8, the named drafter) and an x = 8 verify are each
-traced with `jax.profiler` over a few calls (`op_profile.py`); every traced operation is grouped by what it is -- a
+On one held-out prompt: the prompt's last prefill chunk, a full-cache decode step, a draft token (x = 8, the named
+drafter) and an x = 8 verify are each traced with `jax.profiler` over a few calls (`op_profile.py`); every traced operation is grouped by what it is -- a
 native kernel's custom-call target (`kvjax_matmul_int_dot`, `kvjax_attend_int8`, ...) or an XLA instruction kind -- and
-reported per token (per verify for the verify) with the bytes its operands hold and, for the kernels, the floor: one
+reported per chunk, token or verify with the bytes its operands hold and, for the kernels, the floor: one
 XLA reduction over the same number of bytes in the same run (`bench_roofline.Floor`). The step's own time (untraced,
 best of the reps) is printed beside the sum of its operations: the gap is dispatch and waiting.
 
@@ -66,7 +66,8 @@ def profile_step(name, jitted, make_args, per_call, reps, floor):
             r["ratio"] = r["ms"] / r["floor_ms"]
     step_ms = best / per_call * 1e3
     ops_ms = sum(r["ms"] for r in rows)
-    print(f"{name}: {step_ms:.3f} ms per {'verify' if 'verify' in name else 'token'} untraced; its operations "
+    unit = "verify" if "verify" in name else "chunk" if "prefill" in name else "token"
+    print(f"{name}: {step_ms:.3f} ms per {unit} untraced; its operations "
           f"{ops_ms:.3f} ms traced", flush=True)
     for r in rows[:14]:
         fl = f"{r['bytes'] / 1e6:8.2f} MB  floor {r['floor_ms']:7.3f} ms  {r['ratio']:5.2f}x" if r["bytes"] else ""
@@ -95,9 +96,10 @@ def main(argv=None):
     prompts, _ = heldout_prompts(model, name, args.context, 1, args.seed)
     prompt = prompts[0]
     full = family.init_cache(config, 1, capacity_for(prompt.size, DECODE_STEPS * (args.reps + 2), X), model.cache_dtype)
-    logits, full = steps.prefill(model, full, prompt)
-    first = jnp.argmax(logits)[None].astype(jnp.int32)
-    seed = jnp.zeros((1,), jnp.int32)
+    # the prompt's last chunk is profiled as a prefill chunk (a bulk chunk where the prompt has two)
+    width = steps.BULK_CHUNK if prompt.size >= 2 * steps.BULK_CHUNK else max(prompt.size // 2, 1)
+    n0 = prompt.size - width
+    _, full = steps.prefill(model, full, prompt[:n0])
     measure = Floor()
     floors = {}
 
@@ -109,6 +111,15 @@ def main(argv=None):
     print(f"[bench] {name}, {prompt.size}-token prompt, backend {jax.default_backend()}, implementation {impl}",
           flush=True)
     records = []
+
+    chunk = jnp.asarray(prompt[None, n0:], jnp.int32)
+    records.append(profile_step(
+        f"prefill chunk ({width} rows at {n0} cached)", steps.prefill_chunk,
+        lambda: ((params, config, copy(full), chunk, jnp.asarray([width], jnp.int32)), dict(family=family, impl=impl)),
+        1, args.reps, floor))
+    logits, full = steps.prefill(model, full, prompt[n0:])
+    first = jnp.argmax(logits)[None].astype(jnp.int32)
+    seed = jnp.zeros((1,), jnp.int32)
 
     loop = model.loop_params()
     records.append(profile_step(

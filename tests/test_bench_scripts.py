@@ -149,8 +149,9 @@ def test_op_profile_reads_custom_calls_and_their_operand_bytes_from_hlo_text():
 
 
 def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
-    """On the bundled model: a decode step, a draft token and a verify, each broken into its operations; the decode's
-    attention reads the whole filled cache and the weights are read by the products, each kernel with its floor."""
+    """On the bundled model: a prefill chunk, a decode step, a draft token and a verify, each broken into its
+    operations; the decode's attention reads the whole filled cache and the weights are read by the products, each
+    kernel with its floor."""
     from pallas_kernels import native
 
     out = tmp_path / "ops.json"
@@ -159,7 +160,8 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     records = json.loads(out.read_text())["records"]
-    assert [x["step"] for x in records] == ["full-cache decode", "draft token [refresh]", "verify x=8"]
+    assert [x["step"] for x in records] == ["prefill chunk (128 rows at 128 cached)", "full-cache decode",
+                                           "draft token [refresh]", "verify x=8"]
     for rec in records:
         assert rec["ops"] and rec["ops_ms"] > 0 and rec["step_ms"] > 0
         assert all(o["count"] > 0 and (o["bytes"] == 0 or o["floor_ms"] > 0) for o in rec["ops"])
@@ -168,9 +170,10 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
 
         m = kvjax.load(os.path.join(ROOT, "checkpoints", "kvjax-code-tiny"))
         c = m.config
-        decode = {o["op"]: o for o in records[0]["ops"]}
+        decode = {o["op"]: o for o in records[1]["ops"]}
         attend = decode["kvjax_attend"]
         assert attend["count"] % c.num_layers == 0  # the same calls in every layer
         # the calls' operands hold every layer's keys and values of the 256-token prompt at least
         assert attend["bytes"] > c.num_layers * 2 * c.num_kv_heads * 256 * c.head_dim * 4
-        assert any(o["op"].startswith("kvjax_matmul") for o in records[0]["ops"])
+        assert any(o["op"].startswith("kvjax_matmul") for o in records[1]["ops"])
+        assert "kvjax_attend" in {o["op"] for o in records[0]["ops"]}  # the prefill chunk's attention too
