@@ -1,11 +1,12 @@
 """Benchmark: where each step's time goes, operation by operation, against each operation's memory floor.
 
 On one held-out prompt: the prompt's last prefill chunk, a full-cache decode step, a draft token (x = 8, the named
-drafter) and an x = 8 verify are each traced with `jax.profiler` over a few calls (`op_profile.py`); every traced operation is grouped by what it is -- a
-native kernel's custom-call target (`kvjax_matmul_int_dot`, `kvjax_attend_int8`, ...) or an XLA instruction kind -- and
-reported per chunk, token or verify with the bytes its operands hold and, for the kernels, the floor: one
-XLA reduction over the same number of bytes in the same run (`bench_roofline.Floor`). The step's own time (untraced,
-best of the reps) is printed beside the sum of its operations: the gap is dispatch and waiting.
+drafter) and an x = 8 verify are each traced with `jax.profiler` over a few calls (`op_profile.py`); every traced
+operation is grouped by what it is -- a native kernel's custom-call target (`kvjax_matmul_int_dot`, `kvjax_attend_int8`,
+...) or an XLA instruction kind -- and reported per chunk, token or verify with the bytes its operands hold and, for
+the kernels, the floor: one XLA reduction over the same number of bytes in the same run (`bench_roofline.Floor`; a
+prefill chunk is arithmetic, so its ratios to that floor are large by nature). The step's own time (untraced, best of
+the reps) is printed beside the sum of its operations: the gap is dispatch and waiting.
 
 Usage: python scripts/bench_step_ops.py --model smollm2-135m-instruct --context 8192 [--json out.json]
 """
@@ -44,9 +45,10 @@ def copy(tree):
     return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
 
 
-def profile_step(name, jitted, make_args, per_call, reps, floor):
+def profile_step(name, unit, jitted, make_args, per_call, reps, floor):
     """Traces `reps` calls of `jitted(*args, **kw)` (args fresh from `make_args()` each call, outside the timing) and
-    returns the step's record: its untraced time per unit (best of `reps`), the sum of its operations and the rows."""
+    returns the step's record: its untraced time per `unit` (a call does `per_call` of them; best of `reps`), the sum
+    of its operations per unit and the operations' rows."""
     args, kw = make_args()
     jax.block_until_ready(jitted(*args, **kw))  # compile and warm
     hlo = jitted.lower(*make_args()[0], **kw).compile().as_text()
@@ -66,9 +68,7 @@ def profile_step(name, jitted, make_args, per_call, reps, floor):
             r["ratio"] = r["ms"] / r["floor_ms"]
     step_ms = best / per_call * 1e3
     ops_ms = sum(r["ms"] for r in rows)
-    unit = "verify" if "verify" in name else "chunk" if "prefill" in name else "token"
-    print(f"{name}: {step_ms:.3f} ms per {unit} untraced; its operations "
-          f"{ops_ms:.3f} ms traced", flush=True)
+    print(f"{name}: {step_ms:.3f} ms per {unit} untraced; its operations {ops_ms:.3f} ms traced", flush=True)
     for r in rows[:14]:
         fl = f"{r['bytes'] / 1e6:8.2f} MB  floor {r['floor_ms']:7.3f} ms  {r['ratio']:5.2f}x" if r["bytes"] else ""
         print(f"  {r['op']:40s} {r['ms']:8.3f} ms {100 * r['ms'] / max(ops_ms, 1e-12):5.1f}%  x{r['count']:6.1f}  "
@@ -114,7 +114,7 @@ def main(argv=None):
 
     chunk = jnp.asarray(prompt[None, n0:], jnp.int32)
     records.append(profile_step(
-        f"prefill chunk ({width} rows at {n0} cached)", steps.prefill_chunk,
+        f"prefill chunk ({width} rows at {n0} cached)", "chunk", steps.prefill_chunk,
         lambda: ((params, config, copy(full), chunk, jnp.asarray([width], jnp.int32)), dict(family=family, impl=impl)),
         1, args.reps, floor))
     logits, full = steps.prefill(model, full, prompt[n0:])
@@ -123,7 +123,7 @@ def main(argv=None):
 
     loop = model.loop_params()
     records.append(profile_step(
-        "full-cache decode", steps.decode,
+        "full-cache decode", "token", steps.decode,
         lambda: ((loop, config, copy(full), first, seed),
                  dict(num_steps=DECODE_STEPS, family=family, impl=impl)), DECODE_STEPS, args.reps, floor))
 
@@ -131,7 +131,7 @@ def main(argv=None):
     dparams = draft_params(model, comp_kw.get("draft_weights", "float32"))
     dcache = jax.block_until_ready(comp(params, config, full, prompt, recent_slots=256))
     records.append(profile_step(
-        f"draft token [{args.compressor}]", draft_mod.draft_step,
+        f"draft token [{args.compressor}]", "token", draft_mod.draft_step,
         lambda: ((dparams, config, copy(dcache), first, seed), dict(x=X, family=family, impl=impl)), X, args.reps,
         floor))
 
@@ -139,7 +139,7 @@ def main(argv=None):
     drafts = jnp.zeros((1, X), jnp.int32)
     qlog = jnp.zeros((1, 1, config.vocab_size), jnp.float32)
     records.append(profile_step(
-        f"verify x={X}", verify_mod.verify_step,
+        f"verify x={X}", "verify", verify_mod.verify_step,
         lambda: ((vparams, config, copy(full), copy(dcache), first, drafts, qlog, seed),
                  dict(family=family, impl=impl)), 1, args.reps, floor))
 

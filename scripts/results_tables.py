@@ -382,12 +382,14 @@ def render_parity(items) -> str:
     return "\n\n".join(parts)
 
 
-XLA_PRODUCTS = ("xla: ynn_fusion", "xla: xnn_fusion", "xla: dot", "xla: onednn_fusion")  # (`bench_step_ops.py`)
+# XLA's own matrix products among `bench_step_ops.py`'s operation kinds (YNNPACK / XNNPACK / oneDNN fusions, a dot)
+XLA_PRODUCTS = ("xla: ynn_fusion", "xla: xnn_fusion", "xla: dot", "xla: onednn_fusion")
 
 
 def render_step_ops(items) -> str:
-    """Per step: each native kernel's time per token (per verify) with the bytes it reads and its floor, then every XLA
-    instruction together; the step's own (untraced) time beside."""
+    """Per step (`bench_step_ops.py`): each native kernel's time per chunk, token or verify with the bytes its operands
+    hold and their floor, then XLA's matrix products and XLA's other operations as two groups; the step's own
+    (untraced) time in its label."""
     header = ["model", "step (untraced ms)", "operation", "calls", "ms", "share", "MB read", "floor ms", "vs floor"]
     rows = []
     for res, doc in items:
@@ -405,7 +407,8 @@ def render_step_ops(items) -> str:
                 rows.append([res.label, step, f"`{o['op']}`", num(o["count"]), num(o["ms"]),
                              f"{100 * o['ms'] / total:.0f}%", num(o["bytes"] / 1e6) if o["bytes"] else DASH,
                              num(o.get("floor_ms")), ratio(o.get("ratio"))])
-            for label, group in (("XLA's matrix products", products), (f"XLA's other operations ({len(rest)} kinds)", rest)):
+            groups = (("XLA's matrix products", products), (f"XLA's other operations ({len(rest)} kinds)", rest))
+            for label, group in groups:
                 if group:
                     ms = sum(o["ms"] for o in group)
                     rows.append([res.label, step, label, num(sum(o["count"] for o in group)), num(ms),
