@@ -138,8 +138,8 @@ def test_op_profile_reads_custom_calls_and_their_operand_bytes_from_hlo_text():
     grouped by kind; loops and branches, which span their contents, left out."""
     op = _op_profile()
     line = ('  %ffi_call.7 = f32[1,1,960]{2,1,0} custom-call(%a, %b, %c, %d), '
-            'custom_call_target="kvjax_matmul_int_dot", operand_layout_constraints={f32[1,1,576]{2,1,0}, u8[15,288,64]{2,1,0}, f16[15,18,64]{2,1,0}, '
-            'f16[15,18,64]{2,1,0}}, api_version=API_VERSION_TYPED_FFI')
+            'custom_call_target="kvjax_matmul_int_dot", operand_layout_constraints={f32[1,1,576]{2,1,0}, '
+            'u8[15,288,64]{2,1,0}, f16[15,18,64]{2,1,0}, f16[15,18,64]{2,1,0}}, api_version=API_VERSION_TYPED_FFI')
     calls = op.custom_calls("HloModule jit_step, entry\n" + line)
     assert calls == {"ffi_call.7": ("kvjax_matmul_int_dot", 576 * 4 + 15 * 288 * 64 + 2 * 2 * 15 * 18 * 64)}
     assert op.shape_bytes("s8[1,3,2016,64]{3,2,1,0} pred[] bf16[4]") == 3 * 2016 * 64 + 1 + 8
