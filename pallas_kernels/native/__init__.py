@@ -1,7 +1,8 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
 (`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
-with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), and a draft's lossy products of 4-bit
-codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`).
+with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
+codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), int8 gathers of a cache's rows
+(`gather_int8.cc`) and greedy tokens' argmax (`argmax.cc`, `pallas_kernels.argmax`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -36,7 +37,7 @@ import numpy as np
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
-           HERE / "gather_int8.cc")  # one library
+           HERE / "gather_int8.cc", HERE / "argmax.cc")  # one library
 HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
@@ -49,6 +50,7 @@ MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with
 MATMUL_I8_PACKED_TARGET = "kvjax_matmul_int8_packed"  # ... and with panel-packed int8 codes
 MATMUL_AFFINE_PACKED_TARGET = "kvjax_matmul_affine_packed"  # ... and with packed block-affine codes (exact f32 weights)
 MATMUL_INT_DOT_TARGET = "kvjax_matmul_int_dot"  # int_dot.cc: 4-bit codes x int16-quantised rows (a draft's, lossy)
+ARGMAX_TARGET = "kvjax_argmax"  # argmax.cc: each row's first maximum (`pallas_kernels.argmax.argmax`)
 _lock = threading.Lock()
 _state: dict = {}
 _handles: list = []  # the loaded library (ctypes), for its plain C entry points
@@ -142,6 +144,7 @@ def _build() -> dict:
                                         jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_INT_DOT_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulIntDot),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(handle.KvjaxArgmax), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why
             errors.append(f"loading {lib}: {e}")
             continue
