@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import heldout_prompts, load_bench_model, parse_drafter_spec, run_meta  # noqa: E402
-from bench_roofline import COMPRESSORS, Floor  # noqa: E402
+from bench_roofline import COMPRESSORS, Floor, copy  # noqa: E402
 from op_profile import op_breakdown, trace_events  # noqa: E402
 
 from kvjax.decode import draft as draft_mod  # noqa: E402
@@ -41,17 +41,13 @@ X = 8  # the draft and verify length profiled
 DECODE_STEPS = 8  # tokens per traced decode call
 
 
-def copy(tree):
-    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
-
-
 def profile_step(name, unit, jitted, make_args, per_call, reps, floor):
     """Traces `reps` calls of `jitted(*args, **kw)` (args fresh from `make_args()` each call, outside the timing) and
     returns the step's record: its untraced time per `unit` (a call does `per_call` of them; best of `reps`), the sum
     of its operations per unit and the operations' rows."""
     args, kw = make_args()
+    hlo = jitted.lower(*args, **kw).compile().as_text()  # before the call below donates (consumes) the arguments
     jax.block_until_ready(jitted(*args, **kw))  # compile and warm
-    hlo = jitted.lower(*make_args()[0], **kw).compile().as_text()
     module = re.search(r"HloModule (\S+?),", hlo).group(1)
     best = float("inf")
     for _ in range(reps):
