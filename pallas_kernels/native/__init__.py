@@ -1,8 +1,8 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
 (`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
-codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), int8 gathers of a cache's rows
-(`gather_int8.cc`) and greedy tokens' argmax (`argmax.cc`, `pallas_kernels.argmax`).
+codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), gathers of a cache's rows as int8
+codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`) and greedy tokens' argmax (`argmax.cc`, `pallas_kernels.argmax`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -37,11 +37,12 @@ import numpy as np
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
-           HERE / "gather_int8.cc", HERE / "argmax.cc")  # one library
+           HERE / "gather_int8.cc", HERE / "gather_rows.cc", HERE / "argmax.cc")  # one library
 HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
 TARGET = "kvjax_attend"
 INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
 GATHER_INT8_TARGET = "kvjax_gather_int8"  # gather_int8.cc: a cache's rows gathered as int8 codes (`gather_int8`)
+GATHER_ROWS_TARGET = "kvjax_gather_rows"  # gather_rows.cc: a cache's rows gathered as f32 or bf16 (`gather_rows`)
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
 MATMUL_TARGET = "kvjax_matmul_bf16"  # matmul.cc, wrapped by `pallas_kernels.native.matmul`
 MATMUL_F32_TARGET = "kvjax_matmul_f32"  # matmul.cc's f32-weight product (`native.matmul.matmul_f32`)
@@ -131,6 +132,8 @@ def _build() -> dict:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
             jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendInt8), platform="cpu")
             jax.ffi.register_ffi_target(GATHER_INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherInt8),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(GATHER_ROWS_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherRows),
                                         platform="cpu")
             jax.ffi.register_ffi_target(BLOCK_MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxBlockMass), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulBf16), platform="cpu")
@@ -297,6 +300,24 @@ def gather_int8(x, pos):
     C = pos.shape[-1]
     out = (jax.ShapeDtypeStruct((B, K, C, D), jnp.int8), jax.ShapeDtypeStruct((B, K, C), jnp.float32))
     return jax.ffi.ffi_call(GATHER_INT8_TARGET, out, vmap_method="sequential")(x, pos.astype(jnp.int32))
+
+
+def gather_rows(x, pos, dtype):
+    """Rows `pos` (slots of x, i32[B, C] or [B, K, C]; -1: an empty row, zeros) of x f32[B, K, S, D] as `dtype` (f32
+    or bf16) [B, K, C, D] (`gather_rows.cc`): `kvjax.compress.base.gather_tokens(x, pos).astype(dtype)`, the same
+    bits, in one pass."""
+    if not available():
+        raise RuntimeError(f"the native kernels are not available: {status()['reason']}")
+    if x.ndim != 4 or x.dtype != jnp.float32:
+        raise ValueError(f"x must be f32[B, K, S, D], got {x.dtype}{x.shape}")
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"rows are gathered as float32 or bfloat16, not {dtype}")
+    B, K, _, D = x.shape
+    if pos.ndim not in (2, 3) or pos.shape[0] != B or (pos.ndim == 3 and pos.shape[1] != K):
+        raise ValueError(f"pos must be [B, C] or [B, K, C] with B={B}, K={K}, got {pos.shape}")
+    out = jax.ShapeDtypeStruct((B, K, pos.shape[-1], D), dtype)
+    return jax.ffi.ffi_call(GATHER_ROWS_TARGET, out, vmap_method="sequential")(x, pos.astype(jnp.int32))
 
 
 def default_block(D: int) -> int:
