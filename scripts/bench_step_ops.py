@@ -1,7 +1,9 @@
 """Benchmark: where each step's time goes, operation by operation, against each operation's memory floor.
 
 On one held-out prompt: the prompt's last prefill chunk, a full-cache decode step, a draft token (x = 8, the named
-drafter) and an x = 8 verify are each traced with `jax.profiler` over a few calls (`op_profile.py`); every traced
+drafter), an x = 8 verify and, for a refreshing drafter, its re-selection from that verify (`refresh_step`: the block
+masses the verify rows put on the cache, the top blocks, their gather) are each traced with `jax.profiler` over a
+few calls (`op_profile.py`); every traced
 operation is grouped by what it is -- a native kernel's custom-call target (`kvjax_matmul_int_dot`, `kvjax_attend_int8`,
 ...) or an XLA instruction kind -- and reported per chunk, token or verify with the bytes its operands hold and, for
 the kernels, the floor: one XLA reduction over the same number of bytes in the same run (`bench_roofline.Floor`; a
@@ -32,6 +34,7 @@ from bench_roofline import COMPRESSORS, Floor, copy  # noqa: E402
 from op_profile import op_breakdown, trace_events  # noqa: E402
 
 from kvjax.decode import draft as draft_mod  # noqa: E402
+from kvjax.decode import refresh as refresh_mod  # noqa: E402
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.draft_weights import draft_params  # noqa: E402
@@ -39,6 +42,7 @@ from kvjax.decode.vericache import capacity_for  # noqa: E402
 
 X = 8  # the draft and verify length profiled
 DECODE_STEPS = 8  # tokens per traced decode call
+GATHERS = ("kvjax_gather_int8", "kvjax_gather_rows")  # kernels that read a few rows of their operands: no floor
 
 
 def profile_step(name, unit, jitted, make_args, per_call, reps, floor):
@@ -59,6 +63,8 @@ def profile_step(name, unit, jitted, make_args, per_call, reps, floor):
     events = trace_events(lambda: jitted(*pending.pop(0)[0], **kw), reps)
     rows = op_breakdown(events, hlo, module, reps * per_call)
     for r in rows:
+        if r["op"] in GATHERS:  # their operands are the whole cache, of which they read only the selected rows
+            r["bytes"] = 0
         if r["bytes"]:
             r["floor_ms"] = floor(r["bytes"]) * 1e3
             r["ratio"] = r["ms"] / r["floor_ms"]
@@ -138,6 +144,13 @@ def main(argv=None):
         f"verify x={X}", "verify", verify_mod.verify_step,
         lambda: ((vparams, config, copy(full), copy(dcache), first, drafts, qlog, seed),
                  dict(family=family, impl=impl)), 1, args.reps, floor))
+
+    if getattr(dcache, "refresh", None) is not None:  # a refreshing drafter: its re-selection after that verify
+        _, _, committed, _, _, aux = verify_mod.verify_step(vparams, config, copy(full), copy(dcache), first, drafts,
+                                                            qlog, seed, family=family, impl=impl)
+        records.append(profile_step(
+            "re-selection", "call", refresh_mod.refresh_step,
+            lambda: ((copy(dcache), committed, aux), dict(family=family)), 1, args.reps, floor))
 
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -149,9 +149,9 @@ def test_op_profile_reads_custom_calls_and_their_operand_bytes_from_hlo_text():
 
 
 def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
-    """On the bundled model: a prefill chunk, a decode step, a draft token and a verify, each broken into its
-    operations; the decode's attention reads the whole filled cache and the weights are read by the products, each
-    kernel with its floor."""
+    """On the bundled model: a prefill chunk, a decode step, a draft token, a verify and the refreshing draft's
+    re-selection, each broken into its operations; the decode's attention reads the whole filled cache and the weights
+    are read by the products, each kernel with its floor; the re-selection scores the cache with the block masses."""
     from pallas_kernels import native
 
     out = tmp_path / "ops.json"
@@ -161,7 +161,7 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     records = json.loads(out.read_text())["records"]
     assert [x["step"] for x in records] == ["prefill chunk (128 rows at 128 cached)", "full-cache decode",
-                                           "draft token [refresh]", "verify x=8"]
+                                           "draft token [refresh]", "verify x=8", "re-selection"]
     for rec in records:
         assert rec["ops"] and rec["ops_ms"] > 0 and rec["step_ms"] > 0
         assert all(o["count"] > 0 and (o["bytes"] == 0 or o["floor_ms"] > 0) for o in rec["ops"])
@@ -177,3 +177,4 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
         assert attend["bytes"] > c.num_layers * 2 * c.num_kv_heads * 256 * c.head_dim * 4
         assert any(o["op"].startswith("kvjax_matmul") for o in records[1]["ops"])
         assert "kvjax_attend" in {o["op"] for o in records[0]["ops"]}  # the prefill chunk's attention too
+        assert "kvjax_block_mass" in {o["op"] for o in records[4]["ops"]}  # the re-selection's scores
