@@ -226,7 +226,10 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
                 rejection=rejection, family=family, impl=impl)
             committed = full
         n_host = int(n[0])
-        new = np.asarray(emitted[0, :n_host + 1])
+        # sliced on the host: a device array sliced by a new length compiles a slice for it (~30 ms each, up to x + 1
+        # lengths per x, charged to the round's verify and to the adaptive policy's estimate of it)
+        emitted_host = np.asarray(emitted)
+        new = emitted_host[0, :n_host + 1]
         td = time.perf_counter()
         reselect, drafted_since = False, 0
         if spec is not None:
@@ -249,10 +252,10 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
                       h2d_bytes=met.h2d_bytes_per_verify if offload else 0)
         out.extend(int(t) for t in new)
         if rows is not None:
-            rows.append(np.asarray(logits[0, :n_host + 1]))
+            rows.append(np.asarray(logits[0])[:n_host + 1])
         if lps is not None:  # outside the timed round: only asked-for work, compiled once per x
             lps.append(np.asarray(steps.token_logprobs(logits[0], emitted[0]))[:n_host + 1])
-        last = emitted[:, n_host]
+        last = jnp.asarray(emitted_host[:, n_host])
         if progress is not None:
             progress(min(len(out), max_new_tokens), new)
         if on_round is not None:

@@ -331,10 +331,11 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
             vparams, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
             family=model.family, impl=model.attention)
         n = int(n[0])
-        new = [int(t) for t in np.asarray(emitted[0, :n + 1])]
+        emitted_host = np.asarray(emitted)  # sliced on the host: a device slice compiles per length
+        new = [int(t) for t in emitted_host[0, :n + 1]]
         out.extend(new)
         rounds.append(n)
-        last = emitted[:, n]
+        last = jnp.asarray(emitted_host[:, n])
         if from_queue:
             accepted_ahead += n + (1 if n == x and len(queue) > x and queue[x] == new[-1] else 0)
             queue = queue[x + 1:] if n == x and len(queue) > x and queue[x] == new[-1] else []

@@ -384,7 +384,7 @@ class VeriCacheScheduler:
             self.spare.append(spare)  # the pool's memory, kept for the next fetch
         del spare
         del scratch
-        new = np.asarray(emitted[0, :n_host + 1])
+        new = np.asarray(emitted)[0, :n_host + 1]  # on the host: a device slice compiles per length
         r.tail = tail
         r.length += n_host + 1
         r.out.extend(int(t) for t in new)
