@@ -100,3 +100,26 @@ def test_an_untimed_length_costs_more_verification_the_more_rows_it_verifies():
     m.next(16, 16, 16e-3, 0.130)
     assert abs(m._verify_time(32) - (0.130 + 16 * 0.040 / 8)) < 1e-12
     assert abs(m._verify_time(4) - (0.090 - 4 * 0.040 / 8)) < 1e-12
+
+
+def test_a_length_timed_long_ago_is_timed_again_when_it_predicts_almost_as_much():
+    """x = 8's verify timed slow in its first round (a busy moment), x = 4 chosen since: once x = 8's estimate is
+    `STALE_ROUNDS` old and x = 8 predicts within `RETIME_WITHIN` of x = 4, it runs to be timed again, and its real
+    time makes it the choice; a length predicting far less is never re-timed."""
+    from kvjax.decode.draft_length import STALE_ROUNDS
+
+    def run(first_v8, real_v8, rounds):
+        m = CostModel((4, 8))
+        m.next(8, 8, 1.0, 1.0)  # compiling rounds: not measurements
+        m.next(4, 4, 1.0, 1.0)
+        m.next(4, 4, 4e-3, 10e-3)
+        x = m.next(8, 5, 8e-3, first_v8)  # x = 8 timed once, slowly
+        picked = []
+        for _ in range(rounds):  # every draft accepted from here; x = 4 verifies in 10 ms, x = 8 in real_v8
+            x = m.next(x, x, x * 1e-3, 10e-3 if x == 4 else real_v8)
+            picked.append(x)
+        return picked
+
+    picked = run(17e-3, 11e-3, STALE_ROUNDS + 4)
+    assert picked[:STALE_ROUNDS - 2] == [4] * (STALE_ROUNDS - 2) and picked[-1] == 8, picked  # re-timed, then kept
+    assert run(40e-3, 11e-3, 3 * STALE_ROUNDS) == [4] * (3 * STALE_ROUNDS)  # far slower: never re-timed
