@@ -2,13 +2,14 @@
 
 On one held-out prompt: the prompt's last prefill chunk, a full-cache decode step, a draft token (x = 8, the named
 drafter), an x = 8 verify and, for a refreshing drafter, its re-selection from that verify (`refresh_step`: the block
-masses the verify rows put on the cache, the top blocks, their gather) are each traced with `jax.profiler` over a
-few calls (`op_profile.py`); every traced
-operation is grouped by what it is -- a native kernel's custom-call target (`kvjax_matmul_int_dot`, `kvjax_attend_int8`,
-...) or an XLA instruction kind -- and reported per chunk, token or verify with the bytes its operands hold and, for
-the kernels, the floor: one XLA reduction over the same number of bytes in the same run (`bench_roofline.Floor`; a
-prefill chunk is arithmetic, so its ratios to that floor are large by nature). The step's own time (untraced, best of
-the reps) is printed beside the sum of its operations: the gap is dispatch and waiting.
+masses the verify rows put on the cache, the top blocks, their gather) are each traced with `jax.profiler` over a few
+calls (`op_profile.py`); every traced operation is grouped by what it is -- a native kernel's custom-call target
+(`kvjax_matmul_int_dot`, `kvjax_attend_int8`, ...) or an XLA instruction kind -- and reported per chunk, token or
+verify with the bytes its operands hold and, for the kernels, the floor: one XLA reduction over the same number of
+bytes in the same run (`bench_roofline.Floor`; a prefill chunk is arithmetic, so its ratios to that floor are large by
+nature; a gather reads only its chosen rows, so it has none). The step's own time (untraced, best of the reps) is
+printed beside the sum of its operations: the gap is dispatch and waiting (or, where XLA runs operations
+concurrently, the sum is the larger).
 
 Usage: python scripts/bench_step_ops.py --model smollm2-135m-instruct --context 8192 [--json out.json]
 """

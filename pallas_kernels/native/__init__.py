@@ -2,7 +2,8 @@
 (`attention.cc`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
 codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), gathers of a cache's rows as int8
-codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`) and greedy tokens' argmax (`argmax.cc`, `pallas_kernels.argmax`).
+codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`, both on `gather.h`) and greedy tokens' argmax (`argmax.cc`,
+`pallas_kernels.argmax`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
@@ -38,7 +39,8 @@ import numpy as np
 HERE = Path(__file__).parent
 SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
            HERE / "gather_int8.cc", HERE / "gather_rows.cc", HERE / "argmax.cc")  # one library
-HEADERS = (HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")  # shared by the sources; part of the build key too
+# shared by the sources; part of the build key too
+HEADERS = (HERE / "gather.h", HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")
 TARGET = "kvjax_attend"
 INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
 GATHER_INT8_TARGET = "kvjax_gather_int8"  # gather_int8.cc: a cache's rows gathered as int8 codes (`gather_int8`)

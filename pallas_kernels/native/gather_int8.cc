@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "gather.h"
 #include "pool.h"
 #include "simd.h"
 #include "workers.h"
@@ -25,7 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace kvjax_native;  // Workers (workers.h)
+using namespace kvjax_native;  // Workers (workers.h), GatherShape, ForEachRow (gather.h)
 
 // One row: D values -> D codes and the scale. (The vector path computes the same values: a maximum is exact in any
 // order, and the product, rounding and clamp are per element.)
@@ -61,36 +62,19 @@ inline void QuantiseRow(const float* x, int64_t D, int8_t* codes, float* scale) 
 
 ffi::Error GatherInt8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
                           ffi::ResultBuffer<ffi::S8> codes, ffi::ResultBuffer<ffi::F32> scale) {
-  const auto xd = x.dimensions(), pd = pos.dimensions();
-  if (xd.size() != 4) return ffi::Error::InvalidArgument("x must be [B, K, S, D]");
-  const int64_t B = xd[0], K = xd[1], S = xd[2], D = xd[3];
-  bool per_head;
-  if (pd.size() == 3 && pd[0] == B && pd[1] == K) {
-    per_head = true;
-  } else if (pd.size() == 2 && pd[0] == B) {
-    per_head = false;
-  } else {
-    return ffi::Error::InvalidArgument("pos must be [B, C] or [B, K, C]");
-  }
-  const int64_t C = pd[pd.size() - 1];
-  const float* xs = x.typed_data();
-  const int32_t* ps = pos.typed_data();
+  GatherShape sh;
+  if (ffi::Error e = ReadGatherShape(x.dimensions(), pos.dimensions(), &sh); e.failure()) return e;
   int8_t* out = codes->typed_data();
   float* sc = scale->typed_data();
-  const int64_t rows = B * K * C;
+  const int64_t D = sh.D;
   Workers pool(xla_pool);
-  const int64_t units = std::min<int64_t>(pool.threads() * 4, std::max<int64_t>(rows, 1));
-  pool.Run(units, [&](int64_t u) {
-    for (int64_t r = u * rows / units; r < (u + 1) * rows / units; ++r) {
-      const int64_t b = r / (K * C), k = r / C % K, c = r % C;
-      const int32_t p = ps[per_head ? r : b * C + c];
-      int8_t* o = out + r * D;
-      if (p < 0 || p >= S) {  // an empty row (the jnp form's zeros)
-        std::fill(o, o + D, 0);
-        sc[r] = 0.0f;
-        continue;
-      }
-      QuantiseRow(xs + ((b * K + k) * S + p) * D, D, o, sc + r);
+  ForEachRow(pool, sh, x.typed_data(), pos.typed_data(), [&](int64_t r, const float* src) {
+    int8_t* o = out + r * D;
+    if (src == nullptr) {  // an empty row (the jnp form's zeros)
+      std::fill(o, o + D, 0);
+      sc[r] = 0.0f;
+    } else {
+      QuantiseRow(src, D, o, sc + r);
     }
   });
   return ffi::Error::Success();

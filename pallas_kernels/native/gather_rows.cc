@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gather.h"
 #include "pool.h"
 #include "workers.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,7 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace kvjax_native;  // Workers (workers.h)
+using namespace kvjax_native;  // Workers (workers.h), GatherShape, ForEachRow (gather.h)
 
 // f32 -> bf16, round to nearest even; NaN -> the quiet NaN of its sign. Plain integer operations (the compiler
 // vectorises the loop that calls it).
@@ -46,46 +47,29 @@ inline void CopyRow(const float* x, int64_t D, T* out) {
 }
 
 template <typename T>
-void Gather(Workers& pool, const float* xs, const int32_t* ps, T* out, int64_t B, int64_t K, int64_t S, int64_t D,
-            int64_t C, bool per_head) {
-  const int64_t rows = B * K * C;
-  const int64_t units = std::min<int64_t>(pool.threads() * 4, std::max<int64_t>(rows, 1));
-  pool.Run(units, [&](int64_t u) {
-    for (int64_t r = u * rows / units; r < (u + 1) * rows / units; ++r) {
-      const int64_t b = r / (K * C), k = r / C % K, c = r % C;
-      const int32_t p = ps[per_head ? r : b * C + c];
-      T* o = out + r * D;
-      if (p < 0 || p >= S) {  // an empty row
-        std::fill(o, o + D, T{0});
-        continue;
-      }
-      CopyRow(xs + ((b * K + k) * S + p) * D, D, o);
+void Gather(Workers& pool, const GatherShape& sh, const float* x, const int32_t* pos, T* out) {
+  const int64_t D = sh.D;
+  ForEachRow(pool, sh, x, pos, [&](int64_t r, const float* src) {
+    T* o = out + r * D;
+    if (src == nullptr) {  // an empty row
+      std::fill(o, o + D, T{0});
+    } else {
+      CopyRow(src, D, o);
     }
   });
 }
 
 ffi::Error GatherRowsImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
                           ffi::Result<ffi::AnyBuffer> rows) {
-  const auto xd = x.dimensions(), pd = pos.dimensions();
-  if (xd.size() != 4) return ffi::Error::InvalidArgument("x must be [B, K, S, D]");
-  const int64_t B = xd[0], K = xd[1], S = xd[2], D = xd[3];
-  bool per_head;
-  if (pd.size() == 3 && pd[0] == B && pd[1] == K) {
-    per_head = true;
-  } else if (pd.size() == 2 && pd[0] == B) {
-    per_head = false;
-  } else {
-    return ffi::Error::InvalidArgument("pos must be [B, C] or [B, K, C]");
-  }
-  const int64_t C = pd[pd.size() - 1];
-  if (rows->element_count() != static_cast<size_t>(B * K * C * D))
+  GatherShape sh;
+  if (ffi::Error e = ReadGatherShape(x.dimensions(), pos.dimensions(), &sh); e.failure()) return e;
+  if (rows->element_count() != static_cast<size_t>(sh.B * sh.K * sh.C * sh.D))
     return ffi::Error::InvalidArgument("rows must be [B, K, C, D]");
   Workers pool(xla_pool);
   if (rows->element_type() == ffi::DataType::F32) {
-    Gather(pool, x.typed_data(), pos.typed_data(), static_cast<float*>(rows->untyped_data()), B, K, S, D, C, per_head);
+    Gather(pool, sh, x.typed_data(), pos.typed_data(), static_cast<float*>(rows->untyped_data()));
   } else if (rows->element_type() == ffi::DataType::BF16) {
-    Gather(pool, x.typed_data(), pos.typed_data(), static_cast<uint16_t*>(rows->untyped_data()), B, K, S, D, C,
-           per_head);
+    Gather(pool, sh, x.typed_data(), pos.typed_data(), static_cast<uint16_t*>(rows->untyped_data()));
   } else {
     return ffi::Error::InvalidArgument("rows must be f32 or bf16");
   }

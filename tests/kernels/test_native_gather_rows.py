@@ -61,8 +61,9 @@ def test_sparse_part_takes_the_native_gather_with_the_blocks_bits():
         assert isinstance(part, SparseKV) and part.k.dtype == jnp.dtype(dtype)
         ref = jax.jit(lambda p, dtype=dtype: gather_tokens(x, p).astype(dtype))(pos)
         assert np.array_equal(np.asarray(part.k, np.float32), np.asarray(ref, np.float32), equal_nan=True)
-        hlo = jax.jit(lambda p, dtype=dtype: sparse_part(form, p, dtype, gather=lambda a, q: gather_blocks(a, q, 16)))
-        assert native.GATHER_ROWS_TARGET in hlo.lower(pos).as_text()
+        blocks_part = jax.jit(lambda p, dtype=dtype: sparse_part(form, p, dtype,
+                                                                 gather=lambda a, q: gather_blocks(a, q, 16)))
+        assert native.GATHER_ROWS_TARGET in blocks_part.lower(pos).as_text()
 
 
 def test_bad_gathers_are_refused_with_one_line():
