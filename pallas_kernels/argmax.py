@@ -17,8 +17,7 @@ from pallas_kernels import native
 def argmax(x: jax.Array) -> jax.Array:
     """i32[...]: the index of the largest value of each row of `x` [..., V] (its first maximum; a row holding a NaN:
     its first NaN) -- `jnp.argmax(x, axis=-1)`'s indices."""
-    if (x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] >= 1 and jax.default_backend() == "cpu"
-            and native.available()):
+    if x.dtype == jnp.float32 and x.ndim >= 1 and x.shape[-1] >= 1 and native.runs_here():
         call = jax.ffi.ffi_call(native.ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
                                 vmap_method="broadcast_all")
         return call(x)

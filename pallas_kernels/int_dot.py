@@ -52,7 +52,7 @@ def int_dot_fast() -> bool:
     built with AVX-512 VNNI); elsewhere it is still exact to its definition, but no cheaper than the exact product."""
     from pallas_kernels import native  # noqa: PLC0415 - builds the library on first use
 
-    return jax.default_backend() == "cpu" and native.available() and bool(native.status().get("int_dot_vnni"))
+    return native.runs_here() and bool(native.status().get("int_dot_vnni"))
 
 
 def int_dot_codes(w) -> IntDotCodes | None:

@@ -99,7 +99,7 @@ class PackedF32(NamedTuple):
 def packed_weights_supported() -> bool:
     """Whether `PackedF32` weights are read natively here (the CPU backend with the native library); elsewhere packing
     would only add an unpacking copy per call."""
-    return jax.default_backend() == "cpu" and native.available()
+    return native.runs_here()
 
 
 def packable(w) -> bool:
@@ -168,7 +168,7 @@ def linear(x: jax.Array, w) -> jax.Array:
     bf16), times the scales for int8. f32 `x` and `w` [K, N] with `F32_NATIVE_ROWS` rows: on CPU the native f32 product
     (a decode row, a verify block's rows; each row's bits independent of the others); a `PackedF32` / `PackedAffine` /
     `PackedInt8` gives the same bits as its plain matrix / `Int8Weight`. Anything else: `x @ w` unchanged."""
-    native_cpu = jax.default_backend() == "cpu" and native.available()
+    native_cpu = native.runs_here()
     # the calls of f32 weights the native product takes: one predicate for plain and packed weights (the same bits)
     f32_native = (native_cpu and x.dtype == jnp.float32
                   and F32_NATIVE_ROWS[0] <= math.prod(x.shape[:-1]) <= F32_NATIVE_ROWS[1])

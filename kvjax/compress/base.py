@@ -85,7 +85,7 @@ def sparse_part(form, pos: jax.Array, dtype: str = "float32", gather=gather_toke
 
 def _native_f32(form) -> bool:
     """Whether `form`'s rows are gathered natively: an f32 cache on the CPU where the native kernels build."""
-    return jax.default_backend() == "cpu" and form.k.dtype == jnp.float32 and native.available()
+    return form.k.dtype == jnp.float32 and native.runs_here()
 
 
 def int8_part(form, pos: jax.Array, gather=gather_tokens) -> Int8KV:

@@ -288,10 +288,15 @@ def _stats_call(target, q, k, window, scale, block):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential"), attrs
 
 
-def gather_int8(x, pos):
-    """Rows `pos` (slots of x, i32[B, C] or [B, K, C]; -1: an empty row) of x f32[B, K, S, D] as int8 codes
-    i8[B, K, C, D] and scales f32[B, K, C] (`gather_int8.cc`): the codes and scales `kvjax.cache.draft.Int8KV.quantize`
-    makes of `gather_tokens(x, pos)`, in one pass."""
+def runs_here() -> bool:
+    """Whether the native kernels serve this process's calls: the CPU backend, with the library built and loaded --
+    the one predicate every native dispatch checks (the attention's goes through `pallas_kernels.backend.resolve`)."""
+    return jax.default_backend() == "cpu" and available()
+
+
+def _gather_shape(x, pos) -> tuple[int, int, int, int]:
+    """(B, K, C, D) of a gather of rows `pos` ([B, C] or [B, K, C]) from x f32[B, K, S, D]; raises naming the wrong
+    argument (or why the native kernels are missing)."""
     if not available():
         raise RuntimeError(f"the native kernels are not available: {status()['reason']}")
     if x.ndim != 4 or x.dtype != jnp.float32:
@@ -299,7 +304,14 @@ def gather_int8(x, pos):
     B, K, _, D = x.shape
     if pos.ndim not in (2, 3) or pos.shape[0] != B or (pos.ndim == 3 and pos.shape[1] != K):
         raise ValueError(f"pos must be [B, C] or [B, K, C] with B={B}, K={K}, got {pos.shape}")
-    C = pos.shape[-1]
+    return B, K, pos.shape[-1], D
+
+
+def gather_int8(x, pos):
+    """Rows `pos` (slots of x, i32[B, C] or [B, K, C]; -1: an empty row) of x f32[B, K, S, D] as int8 codes
+    i8[B, K, C, D] and scales f32[B, K, C] (`gather_int8.cc`): the codes and scales `kvjax.cache.draft.Int8KV.quantize`
+    makes of `gather_tokens(x, pos)`, in one pass."""
+    B, K, C, D = _gather_shape(x, pos)
     out = (jax.ShapeDtypeStruct((B, K, C, D), jnp.int8), jax.ShapeDtypeStruct((B, K, C), jnp.float32))
     return jax.ffi.ffi_call(GATHER_INT8_TARGET, out, vmap_method="sequential")(x, pos.astype(jnp.int32))
 
@@ -308,17 +320,11 @@ def gather_rows(x, pos, dtype):
     """Rows `pos` (slots of x, i32[B, C] or [B, K, C]; -1: an empty row, zeros) of x f32[B, K, S, D] as `dtype` (f32
     or bf16) [B, K, C, D] (`gather_rows.cc`): `kvjax.compress.base.gather_tokens(x, pos).astype(dtype)`, the same
     bits, in one pass."""
-    if not available():
-        raise RuntimeError(f"the native kernels are not available: {status()['reason']}")
-    if x.ndim != 4 or x.dtype != jnp.float32:
-        raise ValueError(f"x must be f32[B, K, S, D], got {x.dtype}{x.shape}")
+    B, K, C, D = _gather_shape(x, pos)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"rows are gathered as float32 or bfloat16, not {dtype}")
-    B, K, _, D = x.shape
-    if pos.ndim not in (2, 3) or pos.shape[0] != B or (pos.ndim == 3 and pos.shape[1] != K):
-        raise ValueError(f"pos must be [B, C] or [B, K, C] with B={B}, K={K}, got {pos.shape}")
-    out = jax.ShapeDtypeStruct((B, K, pos.shape[-1], D), dtype)
+    out = jax.ShapeDtypeStruct((B, K, C, D), dtype)
     return jax.ffi.ffi_call(GATHER_ROWS_TARGET, out, vmap_method="sequential")(x, pos.astype(jnp.int32))
 
 
