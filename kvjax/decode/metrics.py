@@ -38,6 +38,7 @@ class RunMetrics:
     draft_prompt_bytes: int = 0
     draft_bytes: int = 0
     h2d_bytes_per_verify: int = 0
+    offload_in_place: bool = False  # the verify reads the host part where it lies (`kvjax.decode.offload.lends`)
     device_resident_bytes: int = 0
     device_peak_bytes: int = 0
     rounds: list = dataclasses.field(default_factory=list)
@@ -87,6 +88,7 @@ class RunMetrics:
             "mean_x": float(xs.mean()) if xs.size else 0.0,
             "device_read_bytes_per_token": (tot("draft_read_bytes") + tot("verify_read_bytes")) / tok,
             "h2d_bytes_per_token": tot("h2d_bytes") / tok,
+            "offload_in_place": self.offload_in_place,
             "draft_bytes_ratio": self.draft_prompt_bytes / max(self.full_prompt_bytes, 1),
             "draft_bytes": self.draft_bytes,
             "full_prompt_bytes": self.full_prompt_bytes,

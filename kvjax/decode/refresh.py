@@ -8,9 +8,12 @@ import functools
 
 import jax
 
+from kvjax.decode import offload as offl
+
 
 @functools.partial(jax.jit, static_argnames="family", donate_argnames="dcache")
 def refresh_step(dcache, full, aux, *, family):
     """The draft (donated) with its prompt part re-selected against the committed full cache `full` (not donated)."""
     refresh = family.require("draft_refresh", "refreshing draft caches")
-    return refresh(dcache, full, aux, spec=dcache.refresh)
+    # a committed cache handed back to a lent host copy is in host space (`kvjax.decode.offload.lends`)
+    return refresh(dcache, offl.device_space(full), aux, spec=dcache.refresh)

@@ -174,7 +174,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         length = full.length
         prompt_len = jnp.asarray([P], jnp.int32)
         jax.block_until_ready((host_part, device_part))
-        met.h2d_bytes_per_verify = tree_nbytes(host_part)
+        met.h2d_bytes_per_verify = tree_nbytes(host_part)  # read from host memory: copied over, or lent
+        met.offload_in_place = offl.lends(host_part)
         del full
         met.device_resident_bytes = tree_nbytes(device_part) + met.draft_bytes
         met.device_peak_bytes = met.device_resident_bytes + met.h2d_bytes_per_verify
@@ -211,7 +212,11 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         drafts.block_until_ready()
         tb = time.perf_counter()
         if offload:
-            fetched = offl.fetch(host_part, into=spare)  # into the last round's buffers (CPU: no fresh pages)
+            lent = offl.lends(host_part)
+            if lent:  # (the CPU) the verify reads the host copy itself and hands it back
+                fetched, host_part = host_part, None
+            else:
+                fetched = offl.fetch(host_part, into=spare)  # into the last round's buffers (no fresh pages)
             spare = None
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
@@ -238,7 +243,9 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             if reselect:
                 dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
                 jax.block_until_ready(dcache)
-        if offload:
+        if offload and lent:
+            host_part = offl.take_back(family, committed)
+        elif offload:
             spare = offl.reusable(family, committed)
         del committed
         te = time.perf_counter()

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.decode import offload as offl
 from kvjax.decode import sampling
 
 
@@ -75,11 +76,10 @@ def verify_step(params, config, full, dcache, last, drafts, qlog, seed, *, tempe
                        rejection=rejection, family=family, impl=impl)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "rejection", "family", "impl"),
-                   donate_argnames=("host_part", "device_part", "dcache"))
 def verify_offloaded(params, config, host_part, device_part, length, prompt_len, dcache, last, drafts, qlog, seed, *,
                      temperature: float = 0.0, rejection: bool = False, family, impl: str):
-    """Verify with the prompt's full state just brought back from host memory.
+    """Verify with the prompt's full state just brought back from host memory, or lent where it lies (the CPU:
+    `offload.lends`; the committed cache then comes back in host memory, holding the lent buffers).
 
     The full cache is assembled on the device from the fetched `host_part` (donated, so the assembly writes into the
     transferred buffers) and the always-resident `device_part` (`family.offload_join`); the verify forward then runs
@@ -90,11 +90,48 @@ def verify_offloaded(params, config, host_part, device_part, length, prompt_len,
         returned so the donated transferred buffers can be aliased (assembled in place); a refreshing draft re-selects
         from it, everyone else drops it.
     """
+    args = (params, config, host_part, device_part, length, prompt_len, dcache, last, drafts, qlog, seed)
+    if offl.lends(host_part):
+        return lent_verifier(offl.device_of(host_part), temperature, rejection, family, impl)(*args)
+    return verify_fetched(*args, temperature=temperature, rejection=rejection, family=family, impl=impl)
+
+
+def _verify_offloaded(params, config, host_part, device_part, length, prompt_len, dcache, last, drafts, qlog, seed, *,
+                      temperature: float = 0.0, rejection: bool = False, family, impl: str):
     B, x = drafts.shape
-    full = family.offload_join(host_part, device_part, length, prompt_len)
+    lent = offl.in_host_space(host_part)  # the CPU: the host copy itself, read in place (`offload.lends`)
+    full = family.offload_join(offl.device_space(host_part), device_part, length, prompt_len)
     L = full.length
     emitted, n, full, dcache, logits, aux = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
                                                         temperature=temperature, rejection=rejection,
                                                         family=family, impl=impl)
     device_part = family.offload_update(device_part, full, L, n + 1, prompt_len, block=x + 1)
-    return emitted, n, device_part, dcache, logits, aux, full
+    return emitted, n, device_part, dcache, logits, aux, offl.host_space(full) if lent else full
+
+
+_OFFLOADED = dict(static_argnames=("temperature", "rejection", "family", "impl"),
+                  donate_argnames=("host_part", "device_part", "dcache"))
+verify_fetched = jax.jit(_verify_offloaded, **_OFFLOADED)  # `verify_offloaded`'s program for a fetched host part
+
+
+_LENT: dict = {}  # (device, static arguments) -> `lent_verifier`'s program
+
+
+def lent_verifier(device, temperature: float, rejection: bool, family, impl: str):
+    """`verify_offloaded`'s program for a host part lent on `device` (`offload.lends`), its static arguments bound:
+    every argument's and output's memory kind given -- JAX pairs a donated input with an output of its shape
+    whatever their memories unless it knows all of them, and a host buffer handed to a device output aborts the
+    process (a tail as long as the prompt's capacity did). Positional arguments only (jit takes no keyword
+    arguments with `in_shardings`)."""
+    key = (device, temperature, rejection, family, impl)
+    if key not in _LENT:
+        host, dev = offl.shardings(device)
+        ins = (dev, dev, host) + (dev,) * 8  # params, config, host_part, device_part, length, ..., seed
+        fn = functools.partial(_verify_offloaded, temperature=temperature, rejection=rejection, family=family,
+                               impl=impl)
+        _LENT[key] = jax.jit(fn, in_shardings=ins, out_shardings=(dev,) * 6 + (host,), donate_argnums=(2, 3, 6))
+    return _LENT[key]
+
+
+# `verify_offloaded` is two kinds of program: compiles are counted over both (`kvjax.decode.metrics.jit_cache_sizes`)
+verify_offloaded._cache_size = lambda: verify_fetched._cache_size() + sum(f._cache_size() for f in _LENT.values())

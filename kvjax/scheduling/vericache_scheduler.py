@@ -23,11 +23,12 @@ Exactness. Every request's tokens equal `vericache.reference_decode` of its prom
 too): verification is the single-request verify step, a partial round pads its drafts with -1 (never accepted), and
 the batch only ever drafts.
 
-On the CPU the "host link" is the same memory bus and the same two cores the drafting uses, so hiding the copies
-can win little: the lock-step run's own per-phase costs bound staggering's gain over lock-step by the copies' share
-of the time (scripts/bench_scheduler.py prints that bound), and the per-iteration overhead of one-token draft calls
-eats part of it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule is for accelerators, where
-drafting reads device memory while the copies use the interconnect.
+On the CPU there is no host link: a verify is lent the request's host copy and reads it in place
+(`kvjax.decode.offload.lends`; a prefilled request's host cache is copied once at admission, since verifies write
+into what they are lent), so there are no copies for staggering to hide, and the lock-step run's own per-phase costs
+bound staggering's gain over lock-step (scripts/bench_scheduler.py prints that bound) while the per-iteration
+overhead of one-token draft calls costs it (`draft_chunk` drafts k tokens per iteration to amortise it). The schedule
+is for accelerators, where drafting reads device memory while the copies use the interconnect.
 
 Budget (`kvjax.scheduling.memory`): admission reserves the request's decoded-token tail; the first admission sizes the slot
 batch (static slots of the first request's draft-cache shape) and the verification pool (`verify_slots` full caches
@@ -331,9 +332,13 @@ class VeriCacheScheduler:
         for s in slots:
             if len(self.inflight) + busy >= self.verify_slots:
                 break
-            if s not in self.inflight and self.live[s].host_kv is not None:
+            r = self.live[s]
+            if s not in self.inflight and r.host_kv is not None:
+                if offl.lends(r.host_kv):  # (the CPU) the verify reads the host copy itself and hands it back
+                    self.inflight[s], r.host_kv = r.host_kv, None
+                    continue
                 into = self.spare.pop() if self.spare else None
-                self.inflight[s] = offl.fetch(self.live[s].host_kv, into=into)
+                self.inflight[s] = offl.fetch(r.host_kv, into=into)
                 issued = True
         if issued:  # (sampling walks every live array: only when the device memory grew)
             self.mem.sample(self.emitted)
@@ -379,10 +384,13 @@ class VeriCacheScheduler:
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
         n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
-        spare = offl.reusable(fam, scratch)  # (None off the CPU)
-        if spare is not None and len(self.inflight) + len(self.spare) < self.verify_slots:
-            self.spare.append(spare)  # the pool's memory, kept for the next fetch
-        del spare
+        if r.host_kv is None:  # lent (`offload.lends`): the verify hands the host copy back
+            r.host_kv = offl.take_back(fam, scratch)
+        else:
+            spare = offl.reusable(fam, scratch)  # (None off the CPU)
+            if spare is not None and len(self.inflight) + len(self.spare) < self.verify_slots:
+                self.spare.append(spare)  # the pool's memory, kept for the next fetch
+            del spare
         del scratch
         new = np.asarray(emitted)[0, :n_host + 1]  # on the host: a device slice compiles per length
         r.tail = tail
@@ -486,6 +494,8 @@ class VeriCacheScheduler:
         self.mem.reserve(tail_bytes, f"request {idx} tail")
         if req.prefilled is not None:
             host_kv = self.model.family.offload_split(req.prefilled[0], 1)[0]  # already in host memory
+            if offl.lends(host_kv):  # verifies will donate it: the request's own copy, not the caller's
+                host_kv = offl.to_host(host_kv, copy=True)
         else:
             host_kv = offl.to_host(host_part)
         del host_part
