@@ -230,7 +230,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
                 vparams, config, full, dcache, last, drafts, qlog, seed_a, temperature=temperature,
                 rejection=rejection, family=family, impl=impl)
             committed = full
-        n_host = int(n[0])
+        n_host = int(np.asarray(n)[0])
         # sliced on the host: a device array sliced by a new length compiles a slice for it (~30 ms each, up to x + 1
         # lengths per x, charged to the round's verify and to the adaptive policy's estimate of it)
         emitted_host = np.asarray(emitted)

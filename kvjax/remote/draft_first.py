@@ -330,7 +330,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
         emitted, n, full, dcache, _, _ = verify_mod.verify_step(
             vparams, config, full, dcache, last, drafts, jnp.zeros((1, 1, config.vocab_size), jnp.float32), seed,
             family=model.family, impl=model.attention)
-        n = int(n[0])
+        n = int(np.asarray(n)[0])
         emitted_host = np.asarray(emitted)  # sliced on the host: a device slice compiles per length
         new = [int(t) for t in emitted_host[0, :n + 1]]
         out.extend(new)

@@ -29,6 +29,18 @@ from kvjax.decode import sampling
 _POSITION_FIELDS = ("pos",)
 
 
+def put_slot(a: jax.Array, r: jax.Array, slot: jax.Array) -> jax.Array:
+    """(Traced) `r` [1, ...] written at row `slot` of `a` (donated by the caller: updated in place). 16-bit floats
+    are written as their bits: XLA:CPU copies a whole bf16 operand around a dynamic_update_slice instead of updating
+    it in place (measured, 8 slots of 8 x [4, 2048, 32] bf16: 4.8 ms against 0.96 ms through uint16; f32 is updated
+    in place) -- the scheduler's re-selected and admitted draft rows are bf16 by default."""
+    r = r.astype(a.dtype)
+    if a.dtype.itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type
+        return bits(jax.lax.dynamic_update_slice_in_dim(bits(a, jnp.uint16), bits(r, jnp.uint16), slot, 0), a.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(a, r, slot, 0)
+
+
 @functools.partial(jax.jit, static_argnames=("steps", "temperature", "family", "impl"),
                    donate_argnames=("dbatch", "drafts"))
 def draft_slots(params, config, dbatch, last: jax.Array, drafts: jax.Array, count: jax.Array, limit: jax.Array,
@@ -88,7 +100,7 @@ def take_row(dbatch, drafts: jax.Array, count: jax.Array, slot: jax.Array, *, fa
 @functools.partial(jax.jit, static_argnames="family", donate_argnames="dbatch")
 def put_row(dbatch, row, slot: jax.Array, *, family):
     """Write a B = 1 row's changing state (from `take_row`, after verification) back into slot `slot`."""
-    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, 0)  # noqa: E731
+    put = lambda a, r: put_slot(a, r, slot)  # noqa: E731
     frozen, live = family.draft_split(dbatch)
     return family.draft_join(frozen, jax.tree.map(put, live, family.draft_split(row)[1]))
 
@@ -97,7 +109,7 @@ def put_row(dbatch, row, slot: jax.Array, *, family):
 def put_parts(dbatch, row, slot: jax.Array, *, family):
     """Write a B = 1 row's invariant part — the prompt parts a refreshing draft re-selected — into slot `slot`, for
     the layers where the row has one (the others keep the batch's)."""
-    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, 0)  # noqa: E731
+    put = lambda a, r: put_slot(a, r, slot)  # noqa: E731
     frozen, live = family.draft_split(dbatch)
     new = tuple(f if not rf else jax.tree.map(put, f, rf) for f, rf in zip(frozen, family.draft_split(row)[0]))
     return family.draft_join(new, live)
@@ -106,7 +118,7 @@ def put_parts(dbatch, row, slot: jax.Array, *, family):
 @functools.partial(jax.jit, donate_argnames="dbatch")
 def put_slot_row(dbatch, row, slot: jax.Array):
     """Admission: write a whole B = 1 draft cache (shapes as `dbatch`'s rows) into slot `slot`."""
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, 0), dbatch, row)
+    return jax.tree.map(lambda a, r: put_slot(a, r, slot), dbatch, row)
 
 
 def _is_position(path) -> bool:
@@ -166,4 +178,4 @@ def full_batch_step(params, config, cache, tok: jax.Array, active: jax.Array, se
 @functools.partial(jax.jit, donate_argnames="batch")
 def put_layer_row(batch, row, slot: jax.Array):
     """Write one layer's B = 1 arrays (any pytree matching `batch`) into slot `slot` of the batch (donated)."""
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, 0), batch, row)
+    return jax.tree.map(lambda a, r: put_slot(a, r, slot), batch, row)

@@ -383,7 +383,7 @@ class VeriCacheScheduler:
             row = refresh_step(row, scratch, aux, family=fam)
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
-        n_host = int(n[0])  # waits for the verification: its full-cache slot is free after this
+        n_host = int(np.asarray(n)[0])  # waits for the verification: its full-cache slot is free after this
         if r.host_kv is None:  # lent (`offload.lends`): the verify hands the host copy back
             r.host_kv = offl.take_back(fam, scratch)
         else:
