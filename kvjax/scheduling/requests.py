@@ -23,6 +23,9 @@ class Request:
         prefilled: optional (the family's full cache after prefill, first token i32[1]) from `prefill_request` (its
             arrays may live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with
             the run's temperature and this seed); None = the scheduler prefills on admission.
+        own_prefilled: the prefilled cache is the request's alone, so the scheduler may take its buffers (on the CPU
+            its verifies write into the host copy they are lent, `kvjax.decode.offload.lends`); False = the caller's,
+            copied once at admission.
     """
 
     prompt: np.ndarray
@@ -30,6 +33,7 @@ class Request:
     arrival: int = 0
     seed: int = 0
     prefilled: tuple | None = None
+    own_prefilled: bool = False
 
 
 def prefill_request(model, prompt, max_new_tokens: int, *, draft_len: int, host: bool = True, seed: int = 0,

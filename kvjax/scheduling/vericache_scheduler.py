@@ -494,7 +494,7 @@ class VeriCacheScheduler:
         self.mem.reserve(tail_bytes, f"request {idx} tail")
         if req.prefilled is not None:
             host_kv = self.model.family.offload_split(req.prefilled[0], 1)[0]  # already in host memory
-            if offl.lends(host_kv):  # verifies will donate it: the request's own copy, not the caller's
+            if offl.lends(host_kv) and not req.own_prefilled:  # verifies write into it: not the caller's
                 host_kv = offl.to_host(host_kv, copy=True)
         else:
             host_kv = offl.to_host(host_part)

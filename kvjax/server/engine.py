@@ -216,7 +216,7 @@ class Engine:
         try:
             r = Request(prompt=job.req.prompt, max_new_tokens=job.req.max_tokens, seed=job.req.seed)
             if self.prefix_cache is not None:
-                r.prefilled = self._prefill(job)
+                r.prefilled, r.own_prefilled = self._prefill(job), True  # a copy of its own (`_prefill`)
             idx = sched.submit(r)
         except Exception as e:  # noqa: BLE001 - one request's failure is that request's
             return self._fail(job, self._error(e))
@@ -236,7 +236,7 @@ class Engine:
         last, full, _ = prefill_with_prefix_cache(self.model, ids, self.prefix_cache, namespace=ns,
                                                   capacity=vc.capacity_for(ids.size, job.req.max_tokens, self.x))
         first = vc.first_token(last, int(ids.size), jnp.asarray([job.req.seed], jnp.int32), job.req.sampling)
-        return offl.to_host(full), first
+        return offl.to_host(full, copy=True), first  # the request's own: its verifies may write into it
 
     def _step(self, key, sched) -> None:
         try:

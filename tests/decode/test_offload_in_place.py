@@ -109,3 +109,24 @@ def test_scheduler_lends_and_keeps_the_callers_host_cache(llama, monkeypatch):
         for (full, _), b in zip(pre, before):
             for a, v in zip(jax.tree.leaves(full), b):
                 np.testing.assert_array_equal(np.asarray(a), v)
+
+
+def test_a_request_owning_its_prefilled_cache_lends_it_without_a_copy(llama, monkeypatch):
+    """`own_prefilled`: the scheduler takes the prefilled host cache's buffers for the verifies (no admission copy)."""
+    prompt = _prompt(90, 20)
+    ref = reference_decode(llama, prompt, 20, draft_len=4).tokens
+    full, first = prefill_request(llama, prompt, 20, draft_len=4)
+    own = set(_pointers(full))
+    lent = []
+    verify = sch.verify_mod.verify_offloaded
+
+    def verify_spy(params, config, host_part, *a, **k):
+        lent.append(set(_pointers(host_part)))
+        return verify(params, config, host_part, *a, **k)
+
+    monkeypatch.setattr(sch.verify_mod, "verify_offloaded", verify_spy)
+    s = sch.VeriCacheScheduler(llama, budget_bytes=1 << 40, draft_len=4, mode="lockstep", compressor="streaming",
+                               compressor_kw=dict(ratio=4.0))
+    res = s.run([Request(prompt=prompt, max_new_tokens=20, prefilled=(full, first), own_prefilled=True)])
+    np.testing.assert_array_equal(res.outputs[0], ref)
+    assert lent and all(p <= own for p in lent)  # every verify read the request's own buffers

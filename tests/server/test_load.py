@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -86,7 +87,7 @@ def test_sigterm_mid_stream_exits_0_and_no_partial_response_looks_complete(offli
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(TINY, "..", ".."), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "kvjax.cli.main", "serve", "--model", TINY, "--port", str(port),
-                             "--context", "128", "--max-tokens-limit", "64", "--max-batch", "4", "--grace", "1",
+                             "--context", "128", "--max-tokens-limit", "64", "--max-batch", "4", "--grace", "0",
                              "--budget-mb", "64", "--no-prefix-cache"], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -99,6 +100,8 @@ def test_sigterm_mid_stream_exits_0_and_no_partial_response_looks_complete(offli
             except httpx.TransportError:
                 time.sleep(0.5)
 
+        streaming = threading.Event()
+
         def client(i):
             prompt = list(range(10 + i, 22 + i))
             events, done = [], False
@@ -110,13 +113,16 @@ def test_sigterm_mid_stream_exits_0_and_no_partial_response_looks_complete(offli
                             done = True
                         elif line.startswith("data: "):
                             events.append(json.loads(line[6:]))
+                            streaming.set()
             except httpx.TransportError:
                 pass
             return prompt, events, done
 
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(client, i) for i in range(8)]
-            time.sleep(8)  # requests are streaming (or queued) now
+            # the signal as soon as tokens stream, with no grace: requests are in flight or queued (this engine runs
+            # the 8 x 64 tokens in ~0.6 s here: the fixed 8 s wait and 1 s grace this test had let all of them finish)
+            assert streaming.wait(timeout=120)
             proc.send_signal(signal.SIGTERM)
             out = [f.result(timeout=120) for f in futs]
         assert proc.wait(timeout=60) == 0
