@@ -80,9 +80,12 @@ def device_of(tree):
 
 
 def device_space(tree):
-    """(Traced) every leaf in device memory space: a no-op for device arguments, and for host arguments on the CPU
-    an alias (XLA:CPU elides the transfer; the buffers stay where they are)."""
-    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
+    """(Traced) every leaf in device memory space: host arguments moved (on the CPU an alias: XLA:CPU elides the
+    transfer, the buffers stay where they are), the others untouched -- a placement on a device value would pin its
+    results' memory kind, and arrays carrying it are another jit cache key (measured: every step compiled twice)."""
+    host = jax.memory.Space.Host
+    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if jax.typeof(a).memory_space == host
+                        else a, tree)
 
 
 def host_space(tree):
