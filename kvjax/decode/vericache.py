@@ -184,6 +184,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         met.device_peak_bytes = met.device_resident_bytes
 
     spare = None  # offload: the previous round's assembled full cache, which the next fetch overwrites
+    lent = False  # offload: this round's verify was lent the host part (`offload.lends`) and hands it back
     out = [int(first[0])]
     if (return_logits or return_logprobs) and first_logits is None:
         raise InputError("return_logits / return_logprobs need first_logits (the prefill's last row)")
@@ -243,7 +244,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             if reselect:
                 dcache = refresh_mod.refresh_step(dcache, committed, aux, family=family)
                 jax.block_until_ready(dcache)
-        if offload and lent:
+        if lent:
             host_part = offl.take_back(family, committed)
         elif offload:
             spare = offl.reusable(family, committed)
