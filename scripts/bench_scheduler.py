@@ -7,6 +7,10 @@
   - vericache-staggered:  VeriCache, one batched draft token per iteration, ~1/x of the requests verify per
                           iteration, the next full cache copied while the drafting runs.
 
+Beside them, outside the table of contenders: the same requests decoded one at a time with plain decoding
+(`steps.decode`'s fused loop) -- on a CPU the budget does not throttle decoding (a step reads each request's cache at
+memory speed, batched or not), so this is what the CPU serves them with fastest without VeriCache.
+
 Every request's prompt is prefilled ONCE (not timed; its full cache waits in pinned host memory like a prefix-cache
 hit) and its output is checked against kvjax's full-cache reference decode (`identical_fraction`). Each contender
 first runs a short warm-up with the same shapes (compiles), then the timed run. Prints a table, the throughput the
@@ -34,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvjax.decode import offload as offl  # noqa: E402
+from kvjax.decode import steps  # noqa: E402
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity  # noqa: E402
 from kvjax.decode.reference import reference_step  # noqa: E402
 from kvjax.scheduling import requests  # noqa: E402
@@ -60,6 +65,21 @@ def reference(model, prefilled, M: int, x: int) -> np.ndarray:
                                          family=model.family, impl=model.attention)
         out.append(int(tok[0]))
     return np.asarray(out, np.int32)
+
+
+def one_at_a_time(model, prefilled: list, M: int) -> tuple[float, list]:
+    """Plain decoding of the requests one after another, each from its prefilled host cache (fetched to the device,
+    then `steps.decode`: M - 1 one-token steps in one fused loop) -- what a CPU serves them with fastest when the budget
+    does not throttle decoding (a step reads its one cache at memory speed, batched or not). Returns (wall seconds,
+    per-request tokens)."""
+    outs = []
+    t0 = time.perf_counter()
+    for full, first in prefilled:
+        toks, cache = steps.decode(model.params, model.config, offl.fetch(full), first, jnp.zeros((1,), jnp.int32),
+                                   num_steps=M - 1, family=model.family, impl=model.attention)
+        outs.append(np.concatenate([np.asarray(first), np.asarray(toks)[0]]).astype(np.int32))
+        del cache
+    return time.perf_counter() - t0, outs
 
 
 def ideal_staggered(lock: dict, stag: dict, tokens: int) -> dict:
@@ -180,11 +200,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         make().run(batch(min(M, 2 * x + 2)))  # warm-up: same shapes, few tokens
         warm[name] = time.perf_counter() - t0
+    one_at_a_time(model, pre[:1], M)  # compiles
     # repeats interleaved round-robin, so a change in the shared CPU's load hits every contender alike
     all_runs = {name: [] for name, _ in contenders}
+    seq_walls = []
     for _ in range(args.repeats):
         for name, make in contenders:
             all_runs[name].append(make().run(batch(M)))
+        seq_wall, seq_out = one_at_a_time(model, pre, M)
+        seq_walls.append(seq_wall)
     results = []
     for name, make in contenders:
         t_warm = warm[name]
@@ -216,9 +240,13 @@ def main(argv=None):
     ideal.update(speedup_vs_full=ideal["tokens_per_s"] / full_tps,
                  achieved_fraction=st["tokens_per_s"] / ideal["tokens_per_s"],
                  vs_lockstep=ideal["tokens_per_s"] / by["vericache-lockstep"]["tokens_per_s"])
+    seq = dict(tokens_per_s=R * M / min(seq_walls), wall_s=min(seq_walls), repeat_walls=seq_walls,
+               identical_fraction=float(np.mean([np.array_equal(o, refs[i]) for i, o in enumerate(seq_out)])))
     ratios = dict(staggered_vs_full=st["speedup_vs_full"],
                   staggered_vs_lockstep=st["tokens_per_s"] / by["vericache-lockstep"]["tokens_per_s"],
-                  lockstep_vs_full=by["vericache-lockstep"]["speedup_vs_full"])
+                  lockstep_vs_full=by["vericache-lockstep"]["speedup_vs_full"],
+                  full_vs_one_at_a_time=full_tps / seq["tokens_per_s"],
+                  lockstep_vs_one_at_a_time=by["vericache-lockstep"]["tokens_per_s"] / seq["tokens_per_s"])
 
     print(f"\n{'contender':22s} {'tok/s':>8s} {'vs full':>8s} {'slots':>6s} {'peak MiB':>9s} {'budget':>7s} "
           f"{'ident':>6s} {'acc/rd':>7s} {'verif/it':>8s}")
@@ -231,6 +259,9 @@ def main(argv=None):
               f"{s.get('mean_verifies_per_iteration', float('nan')):8.2f}")
     print(f"\nratios: staggered/full {ratios['staggered_vs_full']:.2f}x, staggered/lock-step "
           f"{ratios['staggered_vs_lockstep']:.2f}x, lock-step/full {ratios['lockstep_vs_full']:.2f}x")
+    print(f"one request at a time, plain decoding (no budget limit applies on a CPU): {seq['tokens_per_s']:.1f} tok/s, "
+          f"identical to the reference {seq['identical_fraction']:.2f}; full-cache batching "
+          f"{ratios['full_vs_one_at_a_time']:.2f}x it, VeriCache lock-step {ratios['lockstep_vs_one_at_a_time']:.2f}x")
     print(f"ideal staggered (lock-step's per-phase costs: draft step {1e3 * ideal['draft_step_s']:.2f} ms, copy "
           f"{1e3 * ideal['fetch_s']:.2f} ms, verify {1e3 * ideal['verify_s']:.2f} ms, admission "
           f"{1e3 * ideal['admit_s']:.1f} ms): {ideal['tokens_per_s']:.1f} tok/s = "
@@ -244,7 +275,7 @@ def main(argv=None):
                            draft_chunk=args.draft_chunk, prefill_s=t_prefill,
                            devices=str(jax.devices()),
                            repeats=args.repeats, **run_meta()),
-               ratios=ratios, ideal_staggered=ideal, records=results)
+               ratios=ratios, ideal_staggered=ideal, one_at_a_time=seq, records=results)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     png = args.plot or os.path.splitext(args.json)[0] + ".png"

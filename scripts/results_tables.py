@@ -228,9 +228,12 @@ def render_scheduler(items) -> str:
         ("slots: full / VeriCache", lambda c, by, d: f"{by['full']['stats']['slots']} / "
                                                      f"{by['vericache-staggered']['stats']['slots']}"),
         ("full-cache batching, tokens/s", lambda c, by, d: num(by["full"]["tokens_per_s"])),
+        ("one request at a time (plain, no budget limit on a CPU), tokens/s",
+         lambda c, by, d: num((d.get("one_at_a_time") or {}).get("tokens_per_s"))),
         ("VeriCache staggered vs full", lambda c, by, d: ratio(d["ratios"]["staggered_vs_full"])),
         ("VeriCache lock-step vs full", lambda c, by, d: ratio(d["ratios"]["lockstep_vs_full"])),
         ("staggered vs lock-step", lambda c, by, d: ratio(d["ratios"]["staggered_vs_lockstep"])),
+        ("VeriCache lock-step vs one at a time", lambda c, by, d: ratio(d["ratios"].get("lockstep_vs_one_at_a_time"))),
         ("accepted per round", lambda c, by, d: num(by["vericache-staggered"]["stats"].get("mean_accepted_per_round"))),
         ("identical to full-cache decoding", lambda c, by, d: "yes" if all(
             r["identical_fraction"] == 1.0 for r in by.values()) else "no"),

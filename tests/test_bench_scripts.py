@@ -18,9 +18,13 @@ def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
                         "--repeats", "1", "--compressor", "refresh", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    records = json.loads(out.read_text())["records"]
+    doc = json.loads(out.read_text())
+    records = doc["records"]
     assert [x["name"] for x in records] == ["full", "vericache-lockstep", "vericache-staggered"]
     assert all(x["identical_fraction"] == 1.0 and x["within_budget"] for x in records)
+    seq = doc["one_at_a_time"]  # plain decoding, one request after another: the CPU's unthrottled comparison
+    assert seq["tokens_per_s"] > 0 and 0.0 <= seq["identical_fraction"] <= 1.0
+    assert doc["ratios"]["lockstep_vs_one_at_a_time"] > 0
 
 
 @pytest.mark.slow  # CI time; the task set is checked in tests/data/test_exact_tasks.py, VeriCache == full everywhere
