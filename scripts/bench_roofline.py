@@ -199,8 +199,8 @@ def bench_kvjax(model, prompt, drafters, floor, rows):
         host_part, _ = family.offload_split(full, pick_capacity(DECODE_STEPS * 8 + X_MAX + 2, CAPACITY_BUCKETS))
         host_part = jax.block_until_ready(offl.to_host(host_part))
         moved = tree_nbytes(host_part)
-        # as the engine fetches: into the previous verify's buffers (`offload.fetch(into=...)`; on the CPU no fresh
-        # pages), the first fetch (allocating) untimed
+        # an accelerator's per-verify copy (the engine on the CPU lends the host copy instead, `offload.lends`),
+        # here into the previous copy's buffers (`offload.fetch(into=...)`: no fresh pages), the first fetch untimed
         held = {"buf": jax.block_until_ready(offl.fetch(host_part))}
 
         def fetch_into():

@@ -45,7 +45,7 @@ def fetch(host_tree, device=None, into=None):
     """Start host->device copies of every array, in tree (layer) order; returns device arrays without waiting.
 
     `into`: device arrays of the same tree, shapes and dtypes that the caller is done with (a previous fetch's
-    buffers, e.g. the assembled cache a verify hands back), donated. On the CPU the copy then writes into them
+    buffers; `scripts/bench_roofline.py` times an accelerator's per-verify copy this way), donated. On the CPU the copy then writes into them
     instead of into fresh allocations: a fresh buffer's pages are faulted in and zeroed by the kernel on first
     touch, which made a 64 MiB fetch cost 8.0 ms against 3.5 ms into reused buffers (same run, tiny model's
     16K full cache). Elsewhere (and when `into` does not match) `into` is dropped and `jax.device_put` copies as
@@ -111,18 +111,6 @@ def take_back(family, committed):
 def _host_part(committed, *, family):
     # jitted: the split's empty tails are never made (eagerly: ~8 small allocations, 0.7 ms a verify)
     return family.offload_split(committed, 1)[0]
-
-
-def reusable(family, assembled):
-    """The arrays of an assembled full cache (a verify's committed cache) that a later `fetch(into=...)` of the same
-    request shape can overwrite: the family's host part of it (`offload_split`), aliasing its buffers. None off the
-    CPU, where `fetch` would not use them: holding them until the next fetch would keep a second full cache in device
-    memory."""
-    leaves = jax.tree.leaves(assembled)
-    if not leaves or any(d.platform != "cpu" for d in leaves[0].devices()):
-        return None  # (before splitting: off the CPU the split's small device parts would be made for nothing)
-    part = family.offload_split(assembled, 1)[0]
-    return part if jax.tree.leaves(part) else None
 
 
 def _platform(sharding) -> str:

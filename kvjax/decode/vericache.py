@@ -183,7 +183,6 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         met.device_resident_bytes = tree_nbytes(full) + met.draft_bytes
         met.device_peak_bytes = met.device_resident_bytes
 
-    spare = None  # offload: the previous round's assembled full cache, which the next fetch overwrites
     lent = False  # offload: this round's verify was lent the host part (`offload.lends`) and hands it back
     out = [int(first[0])]
     if (return_logits or return_logprobs) and first_logits is None:
@@ -217,8 +216,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             if lent:  # (the CPU) the verify reads the host copy itself and hands it back
                 fetched, host_part = host_part, None
             else:
-                fetched = offl.fetch(host_part, into=spare)  # into the last round's buffers (no fresh pages)
-            spare = None
+                fetched = offl.fetch(host_part)
             jax.block_until_ready(fetched)
             tc = time.perf_counter()
             emitted, n, device_part, dcache, logits, aux, committed = verify_mod.verify_offloaded(
@@ -246,8 +244,6 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
                 jax.block_until_ready(dcache)
         if lent:
             host_part = offl.take_back(family, committed)
-        elif offload:
-            spare = offl.reusable(family, committed)
         del committed
         te = time.perf_counter()
         ctx = P + len(out) - 1  # tokens in the full cache before this round

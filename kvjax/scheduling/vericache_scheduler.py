@@ -230,14 +230,13 @@ class VeriCacheScheduler:
         self.mem.release(self._held)
         self._held = 0
         self.batch = self.drafts = None
-        self.queue, self.inflight, self.spare = [], {}, []
+        self.queue, self.inflight = [], {}
 
     def _reset(self, requests):
         self.queue = sorted(enumerate(requests), key=lambda p: (p[1].arrival, p[0]))
         self.live: dict[int, _Live] = {}  # slot -> request
         self.done: dict[int, list] = {}
         self.inflight: dict[int, tuple] = {}  # slot -> fetched full KV (device)
-        self.spare: list = []  # verified full caches' buffers, which the next fetches overwrite (`offload.fetch`)
         self.mem = DeviceMemory(self.budget)
         self.batch = None
         self.n_slots = 0
@@ -326,8 +325,8 @@ class VeriCacheScheduler:
 
     def _prefetch(self, slots, busy: int = 0) -> None:
         """Start host->device copies of the next full caches, at most `verify_slots` on the device at once
-        (`busy` = full caches already on the device outside `inflight`, i.e. being verified; a copy writes into a
-        spare verified cache's buffers where there is one, `offload.fetch(into=...)`)."""
+        (`busy` = full caches already on the device outside `inflight`, i.e. being verified); on the CPU a host copy
+        is lent instead (`offload.lends`)."""
         issued = False
         for s in slots:
             if len(self.inflight) + busy >= self.verify_slots:
@@ -337,8 +336,7 @@ class VeriCacheScheduler:
                 if offl.lends(r.host_kv):  # (the CPU) the verify reads the host copy itself and hands it back
                     self.inflight[s], r.host_kv = r.host_kv, None
                     continue
-                into = self.spare.pop() if self.spare else None
-                self.inflight[s] = offl.fetch(r.host_kv, into=into)
+                self.inflight[s] = offl.fetch(r.host_kv)
                 issued = True
         if issued:  # (sampling walks every live array: only when the device memory grew)
             self.mem.sample(self.emitted)
@@ -386,11 +384,6 @@ class VeriCacheScheduler:
         n_host = int(np.asarray(n)[0])  # waits for the verification: its full-cache slot is free after this
         if r.host_kv is None:  # lent (`offload.lends`): the verify hands the host copy back
             r.host_kv = offl.take_back(fam, scratch)
-        else:
-            spare = offl.reusable(fam, scratch)  # (None off the CPU)
-            if spare is not None and len(self.inflight) + len(self.spare) < self.verify_slots:
-                self.spare.append(spare)  # the pool's memory, kept for the next fetch
-            del spare
         del scratch
         new = np.asarray(emitted)[0, :n_host + 1]  # on the host: a device slice compiles per length
         r.tail = tail
@@ -469,9 +462,7 @@ class VeriCacheScheduler:
         if req.max_new_tokens < 1:
             raise ValueError(f"request {idx}: max_new_tokens must be >= 1")
 
-        # full cache on the device (it occupies the verification slot, so no spare buffer may stay), compressed into
-        # a draft row
-        self.spare.clear()
+        # full cache on the device (it occupies the verification slot), compressed into a draft row
         prompt = np.asarray(req.prompt, np.int32).reshape(-1)
         if req.prefilled is not None:
             full, first = req.prefilled

@@ -39,18 +39,3 @@ def test_fetch_into_mismatched_buffers_falls_back():
     assert _equal(offl.fetch(host, into=other), _tree(0))
     assert _equal(offl.fetch(host, into=offl.fetch(host)[:1]), _tree(0))  # another tree
     assert _equal(offl.fetch(host), _tree(0))
-
-
-def test_reusable_is_the_host_part_of_the_assembled_cache():
-    class Family:  # the offload interface's split: (host part, device part)
-        @staticmethod
-        def offload_split(full, tail_capacity):
-            return full[0], full[1]
-
-    part, tail = _tree(2), jnp.zeros((1, 2, 4, 8), jnp.float32)  # (an assembled cache: host part, device part)
-    got = offl.reusable(Family, (part, tail))
-    if jax.devices()[0].platform != "cpu":
-        assert got is None  # off the CPU nothing is held for the next fetch
-        return
-    assert got is part
-    assert offl.reusable(Family, ((None,), tail)) is None  # nothing to reuse
