@@ -808,10 +808,12 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
-  Scratch W;
+  // The thread's scratch, kept between calls (every element a call reads it writes first): a draft's call of a few
+  // rows per head allocated and zero-filled a whole chunk's scores (96 x 256 floats at D = 32) per unit.
+  thread_local Scratch W;
   W.kT.resize(D * 64);  // the largest panel (PanelKeys)
   W.kp.resize(BK);
-  W.s.resize(kChunk * BK);
+  W.s.resize(std::min(kChunk, NR) * BK);
   W.rmax.resize(8 * kChunk);
   W.vis.resize(kChunk);
   W.full.resize(kChunk);
