@@ -209,7 +209,9 @@ inline float Value(const T* p, const float* sc, int64_t j) {
 // zero-padding columns [n, ld); issues two lines of `pf` per 16 x 16 step (measured: 0.97-0.98x the time of a
 // decode row's attention without, whose transposition is a large part of its work).
 template <typename T>
-inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT, Prefetch& pf) {
+inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT,
+                           Prefetch& pf_io) {
+  Prefetch pf = pf_io;  // in registers for the loop
   int64_t j = 0;
 #if KVJAX_AVX512
   // 16 keys x 16 dims per step where the CPU has AVX-512: half the instructions per value of the 8 x 8 steps below,
@@ -291,7 +293,7 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
     }
   }
 #endif
-  (void)pf;  // (the 8 x 8 steps issue none: measured on AVX-512 only)
+  pf_io = pf;  // (the 8 x 8 steps issue none: measured on AVX-512 only)
   for (int64_t d = 0; d < D; ++d)
     for (int64_t jj = j; jj < ld; ++jj) kT[d * ld + jj] = jj < n ? Value(kb + jj * D + d, ks, jj) : 0.0f;
 }
@@ -307,7 +309,8 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
 template <int R, int V>
 inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, __m256 sc,
                       const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                      float* rmax, int32_t* vis, Prefetch& pf, int64_t pf_lines) {
+                      float* rmax, int32_t* vis, Prefetch& pf_io, int64_t pf_lines) {
+  Prefetch pf = pf_io;  // in registers for the d loop (a reference's fields went through memory every step)
   __m256 acc[R][V];
   {
     __m256 kv[V];
@@ -362,6 +365,7 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
     _mm256_storeu_ps(rmax + 8 * r, mx);
     vis[r] |= bits;
   }
+  pf_io = pf;
 }
 
 #if KVJAX_AVX512
@@ -370,7 +374,8 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
 template <int R, int V>
 inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int64_t D, __m512 sc,
                         const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                        float* rmax, int32_t* vis, Prefetch& pf, int64_t pf_lines) {
+                        float* rmax, int32_t* vis, Prefetch& pf_io, int64_t pf_lines) {
+  Prefetch pf = pf_io;  // in registers for the d loop (a reference's fields went through memory every step)
   __m512 acc[R][V];
   {
     __m512 kv[V];
@@ -425,6 +430,7 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
     const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(mx), _mm512_extractf32x8_ps(mx, 1));
     _mm256_storeu_ps(rmax + 8 * r, _mm256_max_ps(_mm256_loadu_ps(rmax + 8 * r), m8));
   }
+  pf_io = pf;
 }
 #endif
 
@@ -461,7 +467,8 @@ inline float ExpSum(float* s, int64_t npad, float m) {
 // shape nor the register width changes a row's arithmetic.
 template <typename L, int R, int CC, typename T>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
-                   const float* vs, int64_t m, int64_t D, Prefetch& pf, int64_t pf_lines) {
+                   const float* vs, int64_t m, int64_t D, Prefetch& pf_io, int64_t pf_lines) {
+  Prefetch pf = pf_io;  // in registers for the j loop
   using V = typename L::V;
   constexpr int W = L::kWidth;
   V acc[R][CC];
@@ -494,6 +501,7 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
   for (int r = 0; r < R; ++r)
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) L::Store(o[r] + W * c, acc[r][c]);
+  pf_io = pf;
 }
 
 // Scores of rows act[a0 .. a0 + R) against the key vectors [v0, v1) of the block (v1 - v0 a multiple of V); the
