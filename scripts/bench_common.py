@@ -154,6 +154,18 @@ def gguf_source(name: str) -> str | None:
     return gguf_path(name) if os.path.exists(name) else None
 
 
+def transformers_model(checkpoint: str):
+    """The same model in Hugging Face transformers (PyTorch CPU, f32, eval mode): read from its GGUF file where the
+    checkpoint is a named or GGUF model (transformers dequantises it to f32, as kvjax does), else from the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = gguf_source(checkpoint)
+    where = dict(pretrained_model_name_or_path=os.path.dirname(src), gguf_file=os.path.basename(src)) if src else \
+        dict(pretrained_model_name_or_path=checkpoint)
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+
+
 # Files of the `transformers` distribution whose licence header is dated this year or later were written after
 # SmolLM2's training data was gathered (its release: November 2024), so they are held out from it.
 RECENT_SOURCE_SINCE = 2025

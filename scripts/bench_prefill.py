@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvjax.decode import steps  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
-from bench_common import bench_prompts, load_bench_model, parse_contexts, run_meta  # noqa: E402
+from bench_common import bench_prompts, load_bench_model, parse_contexts, run_meta, transformers_model  # noqa: E402
 
 
 def kvjax_prefill(model, prompt, before: bool, capacity: int | None = None) -> float:
@@ -88,10 +88,9 @@ def main(argv=None):
     if not args.no_peers:
         try:
             import torch
-            from transformers import AutoModelForCausalLM
 
             torch.set_num_threads(max(1, os.cpu_count() or 1))
-            hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+            hf = transformers_model(args.model)  # a GGUF model from its file, as kvjax loads it
         except (ImportError, OSError) as e:
             print(f"[bench] transformers: skipped ({e})")
     records = []

@@ -42,7 +42,7 @@ from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.decode.vericache import capacity_for  # noqa: E402
 from bench_attention_peers import compare as attention_peers  # noqa: E402
 from bench_common import (STATIC_DRAFTERS, add_model_args, best_of, gguf_source, heldout_prompts,  # noqa: E402
-                          load_bench_model, parse_drafter_spec, parse_model_args, run_meta)
+                          load_bench_model, parse_drafter_spec, parse_model_args, run_meta, transformers_model)
 from kvjax.decode.draft_weights import draft_params  # noqa: E402
 from kvjax.models.llama.layers import COARSE_BLOCK, COARSE_BLOCKS  # noqa: E402
 
@@ -217,15 +217,12 @@ def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_r
     """Hugging Face transformers, PyTorch CPU: prefill of the prompt, then `generate` continuing from its cache."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import DynamicCache
     except ImportError as e:
         print(f"  transformers: skipped ({e})")
         return None
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    src = gguf_source(checkpoint)  # transformers reads a GGUF file itself, dequantising it to f32 as kvjax does
-    where = dict(pretrained_model_name_or_path=os.path.dirname(src), gguf_file=os.path.basename(src)) if src else \
-        dict(pretrained_model_name_or_path=checkpoint)
-    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    hf = transformers_model(checkpoint)
     ids = torch.tensor(prompt[None, :].astype(np.int64))
     L = prompt.size
     with torch.no_grad():
