@@ -4,8 +4,10 @@ need them at import time (parametrize lists, hypothesis state machines) import t
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 import threading
 
@@ -235,7 +237,10 @@ def make_v4(name: str = "hybrid", seed: int = 0):
                 b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape))
             elif n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
-    d = os.path.join(tempfile.mkdtemp(prefix="kvjax_v4_"), name)
+    # removed when the process exits: each suite run left its saved models (~1 MB a config) in the temp directory
+    root = tempfile.mkdtemp(prefix="kvjax_v4_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    d = os.path.join(root, name)
     model.save_pretrained(d)
     return model, d
 

@@ -106,6 +106,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.inserted = []
 
     def teardown(self):
+        self.pc.flush()  # copies still in flight would recreate the directory after it is removed
         shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule(tokens=tokens_st)
