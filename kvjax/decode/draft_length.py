@@ -32,6 +32,14 @@ ROW_SHARE = 0.5
 # 14.2 ms in a fixed-x = 8 run of the same prompts) and ran 1.33x full-cache decoding against fixed x = 8's 1.48x.
 STALE_ROUNDS = 8
 RETIME_WITHIN = 0.15
+# A length never timed is run only when it predicts this much more than every timed length (its prediction divided by
+# 1 + EXPLORE_MARGIN): its acceptance at depths never tried is the pooled rate of the shallower ones, and drafts deeper
+# than any tried are accepted less (SmolLM2 at 8K, the README command: a fixed x = 8 accepted 7.53 of 8 a round, x = 16
+# 11.8 of 16), and its verify time is extrapolated. Measured: the README command at fixed x = 8 ran 1.63-1.64x
+# full-cache decoding, at x = 16 1.34x, and adaptive 1.39-1.70x, its x = 16 rounds tried on near-ties between noisy
+# timings (with the margin: 1.58-1.72x, x = 8 throughout); the bundled model at 32K (8 held-out prompts, 256 tokens)
+# adaptive 1.65x against fixed x = 8's 1.73x in one run (with the margin: 1.74x against 1.74x).
+EXPLORE_MARGIN = 0.10
 
 
 def usable_lengths(xs: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
@@ -143,6 +151,12 @@ class CostModel:
     def predicted_tokens_per_s(self, x: int) -> float:
         return self.expected_emitted(x) / (x * (self.draft_token_s + self.refresh_token_s) + self._verify_time(x))
 
+    def _ranking_score(self, length: int, current: int) -> float:
+        """The predicted tokens per second `next` ranks `length` by: discounted by `EXPLORE_MARGIN` while `length`
+        was never timed (the current length, timed or not, is not discounted)."""
+        p = self.predicted_tokens_per_s(length)
+        return p if length in self.verify_s or length == current else p / (1 + EXPLORE_MARGIN)
+
     def next(self, x: int, accepted: int, draft_s: float, verify_s: float, refresh_s: float = 0.0,
              refreshed_tokens: int = 0) -> int:
         """Record the round just run (`observe`) and return the x of the next one (the same x until one timing is
@@ -150,7 +164,7 @@ class CostModel:
         self.observe(x, accepted, draft_s, verify_s, refresh_s, refreshed_tokens)
         if self.draft_token_s is None:
             return x
-        ranked = sorted(self.xs, key=self.predicted_tokens_per_s, reverse=True)
+        ranked = sorted(self.xs, key=lambda s: self._ranking_score(s, x), reverse=True)
         best, runner = ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
         stale = runner in self.timed_at and self.rounds - self.timed_at[runner] >= STALE_ROUNDS
         if stale and self.predicted_tokens_per_s(runner) >= (1 - RETIME_WITHIN) * self.predicted_tokens_per_s(best):

@@ -123,3 +123,26 @@ def test_a_length_timed_long_ago_is_timed_again_when_it_predicts_almost_as_much(
     picked = run(17e-3, 11e-3, STALE_ROUNDS + 4)
     assert picked[:STALE_ROUNDS - 2] == [4] * (STALE_ROUNDS - 2) and picked[-1] == 8, picked  # re-timed, then kept
     assert run(40e-3, 11e-3, 3 * STALE_ROUNDS) == [4] * (3 * STALE_ROUNDS)  # far slower: never re-timed
+
+
+def test_a_length_never_timed_must_predict_a_margin_more_before_it_runs():
+    """x = 16, never timed, is run only when it predicts over `EXPLORE_MARGIN` more tokens per second than the timed
+    x = 8: its acceptance at depths never tried and its verify time are extrapolations, and near-ties between noisy
+    timings sent the README command to x = 16 rounds that accepted less than predicted."""
+    import copy
+
+    from kvjax.decode.draft_length import EXPLORE_MARGIN
+
+    outcomes = set()
+    for draft_ms in (0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 2.0):
+        m = CostModel((8, 16))
+        m.next(8, 8, 1.0, 1.0)  # compiling round
+        for _ in range(6):
+            m.next(8, 8, 8 * draft_ms * 1e-3, 10e-3)  # every draft accepted
+        after = copy.deepcopy(m)  # the estimates the last round's decision sees
+        after.observe(8, 8, 8 * draft_ms * 1e-3, 10e-3)
+        ratio = after.predicted_tokens_per_s(16) / after.predicted_tokens_per_s(8)
+        picked = m.next(8, 8, 8 * draft_ms * 1e-3, 10e-3)
+        assert picked == (16 if ratio > 1 + EXPLORE_MARGIN else 8), (draft_ms, ratio, picked)
+        outcomes.add((picked, ratio > 1))
+    assert (8, True) in outcomes and (16, True) in outcomes  # a near-tie stayed, a clear gain moved
