@@ -9,11 +9,12 @@ Two policies:
   round `v(x)` (verification and transfer: exponential averages of the measured phases, a length's first round left
   out: it includes the compile; a length not timed yet is estimated from the timed ones, linear in the block's rows).
   A round of x drafts then emits `E(x) = 1 + sum_{j<=x} prod_{i<j} a_i` tokens on average and costs
-  `x (d + r) + v(x)`; the next round uses the x with the most predicted tokens per second -- or, once in a while, the
-  runner-up, when its verify time was last measured long ago and it predicts almost as much (`STALE_ROUNDS`,
-  `RETIME_WITHIN`), so that one slow early measurement cannot keep a length out for good. When acceptance is low,
-  short drafts (2, 4) win; when it is high, long ones — "A Sparse Glimpse of the Whole" (arXiv 2607.27735) makes the
-  same point.
+  `x (d + r) + v(x)`; the next round uses the x with the most predicted tokens per second -- a length never timed
+  only when it predicts a margin more than the timed ones (`EXPLORE_MARGIN`: its estimates are extrapolations) -- or,
+  once in a while, the runner-up, when its verify time was last measured long ago and it predicts almost as much
+  (`STALE_ROUNDS`, `RETIME_WITHIN`), so that one slow early measurement cannot keep a length out for good. When
+  acceptance is low, short drafts (2, 4) win; when it is high, long ones — "A Sparse Glimpse of the Whole" (arXiv
+  2607.27735) makes the same point.
 """
 
 from __future__ import annotations
