@@ -159,11 +159,11 @@ class Refresh(Compressor):
         min_drafts: ... once at least this many tokens were drafted since the last selection (measured: with x
             adapted down to 4 at 32K, re-selecting every round took 35% of the round; a re-selection costs ~27 ms
             there, and with adaptive x 32 beat 16 in one run each at 8K, 0.89x vs 0.86x full, and 32K, 1.09x vs
-            1.03x — README "VeriCache"). 64 since: a re-selection costs about a decode step (SmolLM2 at 8K: 24 ms),
-            and at x = 8, 64 against 32 in one run each (the default drafter, identical output): SmolLM2 at 8K,
-            4 held-out prompts, 1.61x vs 1.53x full-cache decoding (128 tokens; 7.40 accepted a round either way),
-            1.59x vs 1.56x (256; 7.49 vs 7.61); the bundled model at 32K, 8 prompts, 1.44x vs 1.41x (128; 4.50 vs
-            4.72), 1.72x vs 1.71x (256; 5.78 vs 6.08); 128 ran 1.67x (5.55), never re-selecting 1.49x (5.13).
+            1.03x — README "VeriCache"). The best value depends on the workload (x = 8, 64 against 32, one run
+            each, identical output): SmolLM2 at 8K over 4 held-out prompts 1.61x vs 1.53x full-cache decoding (128
+            tokens) and 1.59x vs 1.56x (256); the bundled model at 32K over 8 prompts 1.44x vs 1.41x (128) and 1.72x
+            vs 1.71x (256); but the scheduler's 8 x 16K lock-step 1.30x and 1.35x against 1.43x and 1.47x, so it
+            stays 32.
         obs_window: prompt tokens whose queries make the first selection.
         bulk_bits: 0, or 2 / 4: also keep every prompt token in a KIVI-style quantized bulk (keys per channel over
             groups of `bulk_group` tokens, values per token), the selected blocks hidden in it: the draft then reads
@@ -175,7 +175,7 @@ class Refresh(Compressor):
     sink_blocks: int = 1
     recent_blocks: int = 4
     period: int = 1
-    min_drafts: int = 64
+    min_drafts: int = 32
     obs_window: int = 16
     bulk_bits: int = 0
     bulk_group: int = 32

@@ -28,7 +28,7 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
     assert spec.due(4, 16) and spec.due(2, 64)
     assert spec.after_verify((3, 12), 4) == (True, (0, 0))  # the fourth round of 4 drafts re-selects and resets
     assert spec.after_verify((0, 0), 4) == (False, (1, 4))
-    assert Refresh().spec(1000).min_drafts == 64  # the default: a re-selection every ~64 drafts, whatever x
+    assert Refresh().spec(1000).min_drafts == 32  # the default: adaptive x down to 2-4 re-selects every ~32 drafts
 
 
 @pytest.mark.parametrize("name,offload,temperature,period", [
@@ -37,7 +37,7 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
     pytest.param("llama", True, 0.8, 1, marks=pytest.mark.slow),
     pytest.param("qwen2", False, 0.0, 2, marks=pytest.mark.slow),  # CI time: the other families run other drafters
     pytest.param("mistral", True, 0.0, 1, marks=pytest.mark.slow),
-    ("llama", False, 0.0, None)])  # None: the default schedule (re-select once 64 tokens were drafted)
+    ("llama", False, 0.0, None)])  # None: the default schedule (re-select once 32 tokens were drafted)
 def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
     m = kvjax.load(hf_model_dir(name)[1])
     p = _prompt(seed=1)
