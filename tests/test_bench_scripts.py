@@ -181,4 +181,6 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
         assert attend["bytes"] > c.num_layers * 2 * c.num_kv_heads * 256 * c.head_dim * 4
         assert any(o["op"].startswith("kvjax_matmul") for o in records[1]["ops"])
         assert "kvjax_attend" in {o["op"] for o in records[0]["ops"]}  # the prefill chunk's attention too
-        assert "kvjax_block_mass" in {o["op"] for o in records[4]["ops"]}  # the re-selection's scores
+        # the re-selection's scores come from the verify's own pass over the cache (`kvjax_attend_mass`), not a second
+        assert "kvjax_attend_mass" in {o["op"] for o in records[3]["ops"]}
+        assert "kvjax_block_mass" not in {o["op"] for o in records[4]["ops"]}

@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.models.attention import MASK_VALUE, visible
+import pallas_kernels
+from kvjax.models.attention import MASK_VALUE, attention, native_wins, visible
 from pallas_kernels import native
 from pallas_kernels.native.block_mass import block_mass as native_block_mass
 
@@ -64,3 +65,22 @@ def block_mass_reference(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: ja
     pad = (-S) % block
     mass = jnp.pad(mass, ((0, 0), (0, 0), (0, pad)))
     return mass.reshape(B, K, -1, block).sum(-1)
+
+
+def attention_with_block_mass(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+                              rows: tuple[int, ...], block: int, implementation: str | None = None):
+    """`attention(q, k, v, q_pos, k_pos)` and, where the native kernel runs it, the block masses of query rows `rows`
+    (`block_mass(q[:, rows], k, q_pos[:, rows], k_pos, block)` up to f32 rounding) from the same pass over the keys;
+    elsewhere the mass is None and the caller scores later from the queries.
+
+    A verify reads its whole full cache anyway; taking the refreshing drafter's scores from its probabilities spares
+    the re-selection a second pass over the keys (`block_mass`, most of a re-selection's time). The attention output is
+    the plain kernel's bit for bit (the masses only read the probabilities), and which path runs depends only on static
+    shapes and the implementation, so a verify and its reference decoder still run one program.
+    """
+    rows = tuple(sorted({r % q.shape[1] for r in rows}))
+    impl = pallas_kernels.resolve(implementation)
+    if impl == "native" and native_wins(q, k) and native.default_block(q.shape[-1]) % block == 0 and block % 8 == 0:
+        o, m, l, mass = native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=rows, mass_block=block)
+        return pallas_kernels.finalize(o, m, l).astype(q.dtype), mass
+    return attention(q, k, v, q_pos, k_pos, implementation=implementation), None

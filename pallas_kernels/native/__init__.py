@@ -43,6 +43,7 @@ SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HE
 HEADERS = (HERE / "gather.h", HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")
 TARGET = "kvjax_attend"
 INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
+MASS_TARGET = "kvjax_attend_mass"  # attention.cc plus some rows' block masses (`attend_stats_mass`)
 GATHER_INT8_TARGET = "kvjax_gather_int8"  # gather_int8.cc: a cache's rows gathered as int8 codes (`gather_int8`)
 GATHER_ROWS_TARGET = "kvjax_gather_rows"  # gather_rows.cc: a cache's rows gathered as f32 or bf16 (`gather_rows`)
 BLOCK_MASS_TARGET = "kvjax_block_mass"  # block_mass.cc, wrapped by `pallas_kernels.native.block_mass`
@@ -133,6 +134,7 @@ def _build() -> dict:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
             jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendInt8), platform="cpu")
+            jax.ffi.register_ffi_target(MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendMass), platform="cpu")
             jax.ffi.register_ffi_target(GATHER_INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherInt8),
                                         platform="cpu")
             jax.ffi.register_ffi_target(GATHER_ROWS_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherRows),
@@ -269,10 +271,41 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
                 k_pos.astype(jnp.int32), **attrs)
 
 
-def _stats_call(target, q, k, window, scale, block):
+def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_block: int, window=None, scale=None,
+                      block: int | None = None):
+    """`attend_stats` and, from the same pass over the keys, the block masses of query rows `rows`: the softmax mass
+    each group of `mass_block` slots gets from those rows, summed over each KV head's query group and the rows --
+    `kvjax.models.attention_scores.block_mass_reference(q[:, rows], k, q_pos[:, rows], k_pos, mass_block)` up to f32
+    rounding. The statistics are bit for bit `attend_stats`' (the masses only read the probabilities).
+
+    Args:
+        rows: distinct query rows in [0, T) (static); mass_block: a multiple of 8 dividing the kernel's block (static);
+            the rest as `attend_stats` (no gradient: an inference path).
+
+    Returns:
+        `(o, m, l, mass f32[B, K, ceil(S / mass_block)])`.
+    """
+    B, T = q.shape[:2]
+    K, S = k.shape[1], k.shape[2]
+    mass = jax.ShapeDtypeStruct((B, K, -(-S // mass_block)), jnp.float32)
+    call, attrs = _stats_call(MASS_TARGET, q, k, window, scale, block, extra=(mass,))
+    rows = tuple(int(r) for r in rows)
+    if len(set(rows)) != len(rows) or not all(0 <= r < T for r in rows):
+        raise ValueError(f"rows must be distinct query rows in [0, {T}), got {rows}")
+    if mass_block < 8 or mass_block % 8 or attrs["block"] % mass_block:
+        raise ValueError(f"mass_block must be a multiple of 8 dividing the kernel's block {int(attrs['block'])}, "
+                         f"got {mass_block}")
+    v = k if v is None else v
+    kv_dtype = jnp.bfloat16 if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 else jnp.float32
+    return call(q.astype(jnp.float32), k.astype(kv_dtype), v.astype(kv_dtype), q_pos.astype(jnp.int32),
+                k_pos.astype(jnp.int32), mass_block=np.int64(mass_block), mass_rows=np.asarray(rows, np.int64),
+                **attrs)
+
+
+def _stats_call(target, q, k, window, scale, block, extra=()):
     """(the custom call of one of kernel 0's entry points, its attrs) for queries q [B, T, N, D] over keys
-    [B, K, S, D]: the (o, m, l) statistics' shapes, window / scale / block with their defaults; raises where the
-    library is not built or N is not a multiple of K."""
+    [B, K, S, D]: the (o, m, l) statistics' shapes then `extra`'s, window / scale / block with their defaults; raises
+    where the library is not built or N is not a multiple of K."""
     if not available():
         raise RuntimeError(f"the native attention kernel is not available: {status()['reason']}")
     B, T, N, D = q.shape
@@ -281,7 +314,7 @@ def _stats_call(target, q, k, window, scale, block):
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
-           jax.ShapeDtypeStruct((B, T, N), f32))
+           jax.ShapeDtypeStruct((B, T, N), f32), *extra)
     attrs = dict(window=np.int64(0 if window is None else window),
                  scale=np.float32(D**-0.5 if scale is None else scale),
                  block=np.int64(default_block(D) if block is None else block))

@@ -63,13 +63,19 @@ def test_the_verify_hands_out_its_rows_queries_and_they_score_the_cache(hf_model
     toks = jnp.asarray([[5, 9, 11, 2, 7]], jnp.int32)
     logits, after, aux = jax.jit(lambda c: m.family.verify_forward(m.params, m.config, c, toks,
                                                                    jnp.asarray([5], jnp.int32)))(cache)
-    queries, q_pos = aux
+    queries, q_pos, fused = aux
     np.testing.assert_array_equal(np.asarray(q_pos), [[60, 64]])  # the first and the last verify row
-    masses = [x for x in refresh_masses(after, aux, block=8) if x is not None]
-    assert masses and all(x.shape == (1, m.config.num_kv_heads, 256 // 8) for x in masses)
-    for x in masses:  # two rows, each a distribution over the visible keys, summed over the query group
-        np.testing.assert_allclose(np.asarray(x).sum(-1), 2 * m.config.num_heads // m.config.num_kv_heads,
-                                   rtol=1e-4)
+    for block in (8, 16):  # 16: the verify's own masses where the native kernel ran it; 8: scored from the queries
+        masses = [x for x in refresh_masses(after, aux, block=block) if x is not None]
+        assert masses and all(x.shape == (1, m.config.num_kv_heads, 256 // block) for x in masses)
+        for x in masses:  # two rows, each a distribution over the visible keys, summed over the query group
+            np.testing.assert_allclose(np.asarray(x).sum(-1), 2 * m.config.num_heads // m.config.num_kv_heads,
+                                       rtol=1e-4)
+    scored = refresh_masses(after, (queries, q_pos, (None,) * len(fused)), block=16)
+    assert any(f is not None for f in fused) == (m.attention == "native")
+    for f, s in zip(fused, scored):  # the verify's masses are its rows' over the cache it read: the queries' scores
+        if f is not None:
+            np.testing.assert_allclose(np.asarray(f), np.asarray(s), rtol=1e-4, atol=1e-6)
 
 
 def test_select_blocks_respects_budget_sinks_recent_and_the_ring():

@@ -1,12 +1,21 @@
-"""Where the refreshing drafter's scores come from, for the Llama family: the verify rows' own queries.
+"""Where the refreshing drafter's scores come from, for the Llama family: the verify rows' own attention.
 
 The verify-shape forward (`verify.verify_forward`) hands out, per full-attention layer, the queries of two of its
-rows (the first and the last); every program that runs the verify shape — VeriCache's verifications, refreshing or
-not, and the reference decoder — outputs them, so the program, and with it every bit of every logit, is the same with
-and without a refreshing draft (measured: scoring inside the verify's program moved its logits in the last bits;
-XLA fused the queries' computation differently once they had a second use). `refresh_selection` then scores the
-committed full cache with those queries, in its own jitted call, and the drafter re-gathers its blocks.
-`prompt_block_masses` scores the prompt from its last tokens' queries, for the first selection.
+rows (the first and the last) and, where the native kernel runs the layer's attention, the block masses those rows put
+on the cache the verify just read (`attention_scores.attention_with_block_mass`: taken from the probabilities the
+kernel computes anyway, no second pass over the keys). Every program that runs the verify shape — VeriCache's
+verifications, refreshing or not, and the reference decoder — outputs both, so the program, and with it every bit of
+every logit, is the same with and without a refreshing draft (measured: scoring with XLA inside the verify's program
+moved its logits in the last bits; XLA fused the queries' computation differently once they had a second use; the
+native kernel's masses leave its statistics unchanged). `refresh_masses` takes the verify's masses, or scores the
+committed full cache with the queries where there are none (XLA, Pallas, another block size), in the refresh step's
+own jitted call, and the drafter re-gathers its blocks. `prompt_block_masses` scores the prompt from its last tokens'
+queries, for the first selection.
+
+The verify's masses cover the keys the verify saw: the committed cache plus the verify block's own rows (the last row
+sees the drafts, rejected ones included), so a row's mass is normalised over a few more keys than the committed
+cache holds; the selection ranks blocks below the draft's recent ring only, where this rescales each row's masses
+and nothing else.
 """
 
 from __future__ import annotations
@@ -18,38 +27,48 @@ import jax.numpy as jnp
 
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.models.attention import attention, canonical_attention
-from kvjax.models.attention_scores import block_mass
+from kvjax.models.attention_scores import attention_with_block_mass, block_mass
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.llama.layers import decoder_stack, lm_head
 from kvjax.models.llama.model import _attend_layer
 
 QUERY_ROWS = (0, -1)  # the verify rows whose queries score: the last emitted token and the last draft (Vegas)
+MASS_BLOCK = 16  # the block of the verify's own masses: the refreshing drafter's default (`Refresh.block`)
 
 
 def verify_with_queries(params, config: ModelConfig, cache: ModelCache, tokens, n_valid, *,
                         implementation: str | None = None):
     """The verify-shape forward: (logits f32[B, T, V], new cache, (queries: per layer f32[B, 2, N, D] of rows
-    QUERY_ROWS or None for sliding layers, their positions i32[B, 2]))."""
+    QUERY_ROWS or None for sliding layers, their positions i32[B, 2], masses: per layer those rows' block masses
+    f32[B, K, ceil(S / MASS_BLOCK)] over the verified cache where the native kernel computed them, else None))."""
     B, T = tokens.shape
     positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     attn = functools.partial(canonical_attention, implementation=implementation)
     r = jnp.asarray([j % T for j in QUERY_ROWS], jnp.int32)
 
     def attend(i, form, q, k, v):
+        if type(form) is DenseKV:  # `_attend_layer`'s full-attention case, with the rows' masses where they come free
+            form = form.write(k, v, n_valid)
+            out, mass = attention_with_block_mass(q, form.k, form.v, positions, form.key_positions(), rows=QUERY_ROWS,
+                                                  block=MASS_BLOCK, implementation=implementation)
+            return out, form, (q[:, r], mass)
         out, new = _attend_layer(form, q, k, v, positions, n_valid, attn)
-        return out, new, (q[:, r] if isinstance(new, DenseKV) else None)
+        return out, new, ((q[:, r], None) if isinstance(new, DenseKV) else (None, None))
 
-    h, layers, queries = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    h, layers, auxes = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    queries, masses = tuple(a[0] for a in auxes), tuple(a[1] for a in auxes)
     return (lm_head(params, config, h), ModelCache(layers=layers, length=cache.length + n_valid),
-            (queries, positions[:, r]))
+            (queries, positions[:, r], masses))
 
 
 def refresh_masses(full: ModelCache, aux, *, block: int) -> tuple:
-    """Per layer block mass f32[B, K, S // block] (None for sliding layers) the verify rows' queries put on the
-    committed full cache."""
-    queries, q_pos = aux
+    """Per layer block mass f32[B, K, S // block] (None for sliding layers) the verify rows put on the full cache: the
+    verify's own where it computed them at this block size, else their queries' on the committed cache."""
+    queries, q_pos, masses = aux
     return tuple(None if q is None or not isinstance(f, DenseKV) else
-                 block_mass(q, f.k, q_pos, f.key_positions(), block) for q, f in zip(queries, full.layers))
+                 mass if mass is not None and block == MASS_BLOCK else
+                 block_mass(q, f.k, q_pos, f.key_positions(), block)
+                 for q, mass, f in zip(queries, masses, full.layers))
 
 
 @functools.partial(jax.jit, static_argnames="block")

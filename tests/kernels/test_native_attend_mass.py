@@ -1,0 +1,139 @@
+"""Kernel 0 with some rows' block masses (`kvjax_attend_mass`, `native.attend_stats_mass`): the statistics are the
+plain kernel's bit for bit, the masses the jnp definition's within f32 rounding (ragged lengths, empty slots, per-head
+positions, several key segments, rows split among threads, bf16 keys, rows that see nothing), the same bits in the
+portable build, and the verify forward hands them to the refreshing drafter, whose VeriCache stays exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from builders import scalar_native_library
+
+from kvjax.models.attention_scores import attention_with_block_mass, block_mass_reference
+from pallas_kernels import native
+
+TOL = dict(rtol=2e-5, atol=1e-6)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native library does not build here")
+
+
+def _case(T, G, D, *, K=2, S=700, lengths=(650, 301), per_head=False, seed=0):
+    """q [B, T, K * G, D] at the last T positions of each sequence, keys and values over S slots with `lengths[b]`
+    occupied, the rest empty (-1)."""
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)) * 2.0, jnp.float32)  # * 2: peaked, uneven masses
+    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
+    L = np.asarray(lengths)
+    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
+    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
+    if per_head:  # per-head positions with holes (a sparse cache)
+        k_pos = np.repeat(k_pos[:, None], K, axis=1)
+        k_pos[rng.random(k_pos.shape) < 0.3] = -1
+    return q, k, v, q_pos, jnp.asarray(k_pos)
+
+
+def _both(q, k, v, q_pos, k_pos, rows, mass_block=16):
+    fused = jax.jit(lambda *a: native.attend_stats_mass(*a, rows=rows, mass_block=mass_block))(q, k, v, q_pos, k_pos)
+    plain = jax.jit(native.attend_stats)(q, k, v, q_pos, k_pos)
+    r = list(rows)
+    want = jax.jit(block_mass_reference, static_argnums=4)(q[:, r], k, q_pos[:, r], k_pos, mass_block)
+    return [np.asarray(x) for x in fused], [np.asarray(x) for x in plain], np.asarray(want)
+
+
+@pytest.mark.parametrize("T,G,D,K,S,rows,per_head", [
+    (9, 2, 32, 4, 700, (0, 8), False),  # the bundled model's x = 8 verify: first and last rows, GQA 2
+    (9, 3, 64, 3, 1100, (0, 8), False),  # SmolLM2's shape: 9 query / 3 KV heads, D = 64 (128-key blocks)
+    (5, 2, 32, 2, 5000, (0, 4), False),  # several 2,048-key segments per row, merged after
+    (17, 3, 32, 3, 1500, (0, 16), False),  # 51 rows per head on 3 heads: rows split among the threads
+    (9, 2, 32, 2, 900, (3,), True),  # one row, per-head positions with holes
+    (4, 1, 32, 2, 333, (0, 1, 2, 3), False),  # every row, G = 1, a ragged last block
+])
+def test_statistics_unchanged_and_masses_match_the_reference(T, G, D, K, S, rows, per_head):
+    q, k, v, q_pos, k_pos = _case(T, G, D, K=K, S=S, lengths=(S - 40, S // 3), per_head=per_head, seed=T + D + S)
+    (o, m, l, mass), plain, want = _both(q, k, v, q_pos, k_pos, rows)
+    for got, ref in zip((o, m, l), plain):
+        assert np.array_equal(got, ref)  # the masses only read the probabilities
+    assert mass.shape == want.shape == (2, K, -(-S // 16))
+    np.testing.assert_allclose(mass, want, **TOL)
+    if not per_head:  # every row is a distribution over what it sees: a head's masses sum to its rows x G
+        np.testing.assert_allclose(mass.sum(-1), len(rows) * G, rtol=1e-5)
+
+
+def test_bf16_keys_and_rows_that_see_nothing():
+    """bf16 keys and values are scored as their f32 widening; a row placed before every key (q_pos -1) adds 0, and a
+    sequence with no occupied slot gives all zeros, never NaN."""
+    q, k, v, q_pos, k_pos = _case(3, 2, 32, S=400, lengths=(350, 120), seed=3)
+    kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    q_pos = q_pos.at[1, 0].set(-1)
+    (o, m, l, mass), plain, want = _both(q, kb, vb, q_pos, k_pos, (0, 2))
+    assert all(np.array_equal(a, b) for a, b in zip((o, m, l), plain))
+    np.testing.assert_allclose(mass, want, **TOL)
+    np.testing.assert_allclose(mass[1].sum(-1), 2, rtol=1e-5)  # sequence 1: only row 2 (x G = 2 heads) sees keys
+    empty = native.attend_stats_mass(q, k, v, q_pos, jnp.full_like(k_pos, -1), rows=(0, 2), mass_block=16)[3]
+    assert np.isfinite(np.asarray(empty)).all() and (np.asarray(empty) == 0).all()
+
+
+def test_bad_rows_and_blocks_raise_naming_the_problem():
+    q, k, v, q_pos, k_pos = _case(3, 2, 32, S=64, lengths=(60, 30))
+    with pytest.raises(ValueError, match="rows"):
+        native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=(0, 0), mass_block=16)
+    with pytest.raises(ValueError, match="rows"):
+        native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=(3,), mass_block=16)
+    with pytest.raises(ValueError, match="mass_block"):
+        native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=(0,), mass_block=24)  # does not divide 256
+
+
+def test_the_dispatcher_fuses_only_where_the_native_kernel_runs():
+    q, k, v, q_pos, k_pos = _case(3, 2, 32, S=256, lengths=(200, 100))
+    out, mass = attention_with_block_mass(q, k, v, q_pos, k_pos, rows=(0, -1), block=16, implementation="native")
+    want = block_mass_reference(q[:, [0, 2]], k, q_pos[:, [0, 2]], k_pos, 16)
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(want), **TOL)
+    out_x, none = attention_with_block_mass(q, k, v, q_pos, k_pos, rows=(0, -1), block=16, implementation="xla")
+    assert none is None
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_x), rtol=1e-5, atol=1e-6)
+    assert attention_with_block_mass(q, k, v, q_pos, k_pos, rows=(0,), block=24, implementation="native")[1] is None
+
+
+@pytest.mark.slow  # compiles the library a second time
+def test_scalar_build_equals_the_vector_build(tmp_path):
+    handle = scalar_native_library(tmp_path)
+    jax.ffi.register_ffi_target("kvjax_attend_mass_scalar_test", jax.ffi.pycapsule(handle.KvjaxAttendMass),
+                                platform="cpu")
+    q, k, v, q_pos, k_pos = _case(9, 2, 32, S=701, lengths=(698, 350), per_head=True, seed=4)
+    B, T, N, D = q.shape
+    shapes = (jax.ShapeDtypeStruct((B, T, N, D), jnp.float32), jax.ShapeDtypeStruct((B, T, N), jnp.float32),
+              jax.ShapeDtypeStruct((B, T, N), jnp.float32), jax.ShapeDtypeStruct((B, 2, -(-701 // 16)), jnp.float32))
+    attrs = dict(window=np.int64(0), scale=np.float32(D**-0.5), block=np.int64(native.default_block(D)),
+                 mass_block=np.int64(16), mass_rows=np.asarray([0, 8], np.int64))
+    outs = [[np.asarray(x) for x in jax.ffi.ffi_call(t, shapes)(q, k, v, q_pos, k_pos, **attrs)]
+            for t in (native.MASS_TARGET, "kvjax_attend_mass_scalar_test")]
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+
+
+def test_refreshing_vericache_takes_the_verify_masses_and_stays_exact(hf_model_dir, monkeypatch):
+    """At the default block (16) the re-selections score nothing themselves: the only block masses computed apart are
+    the first selection's (its 8 prompt rows); tokens and logits still equal `reference_decode`'s bit for bit."""
+    import kvjax
+    from kvjax.models import attention_scores
+
+    calls = []
+    real = attention_scores.native_block_mass
+    monkeypatch.setattr(attention_scores, "native_block_mass", lambda *a: calls.append(a[0].shape) or real(*a))
+    jax.clear_caches()  # traces made before the counter was in place must not be reused
+    try:
+        m = kvjax.load(hf_model_dir("llama")[1])
+        prompt = np.random.default_rng(1).integers(0, 97, 200).astype(np.int32)
+        ref = kvjax.reference_decode(m, prompt, 16, draft_len=4, return_logits=True)
+        kw = dict(ratio=4.0, block=16, recent_blocks=2, obs_window=8, min_drafts=0)
+        g = kvjax.generate_vericache(m, prompt, 16, compressor="refresh", compressor_kw=kw, draft_len=4,
+                                     ignore_eos=True, return_logits=True)
+        np.testing.assert_array_equal(g.tokens, ref.tokens)
+        np.testing.assert_array_equal(g.logits, ref.logits)
+        assert g.stats["verifications"] >= 3
+        assert {s[1] for s in calls} == {8}
+    finally:
+        jax.clear_caches()
