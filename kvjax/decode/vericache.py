@@ -197,7 +197,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
         on_round(np.asarray(first), None if lps is None else lps[0])
     if should_stop is not None and should_stop(out):
         max_new_tokens = 1
-    last = first
+    last = np.asarray(first)  # every round hands the jitted steps a host array (one compiled signature)
     x = draft_len
     t_start = time.perf_counter()
     spec = getattr(dcache, "refresh", None)
@@ -259,7 +259,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
             rows.append(np.asarray(logits[0])[:n_host + 1])
         if lps is not None:  # outside the timed round: only asked-for work, compiled once per x
             lps.append(np.asarray(steps.token_logprobs(logits[0], emitted[0]))[:n_host + 1])
-        last = jnp.asarray(emitted_host[:, n_host])
+        last = emitted_host[:, n_host]  # a host array, taken as is by the next jitted call (jnp.asarray: ~0.2 ms)
         if progress is not None:
             progress(min(len(out), max_new_tokens), new)
         if on_round is not None:
