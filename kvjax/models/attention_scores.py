@@ -11,6 +11,10 @@ EPYC at the bundled model's shape, 32,768 slots (`scripts/bench_refresh_step.py`
 machine): a refresh's masses (2 verify rows, 4 layers) 0.27-0.37x XLA's time (1.25-1.75x the memory floor of reading
 the keys once); the whole re-selection step 1.56-2.01 full-cache decode steps with them against 2.20-2.56 with
 XLA's, the rest of it now mostly the gather of the selected blocks and the top-k.
+
+`attention_with_block_mass` takes the masses from a verify's own attention instead (the native kernel's
+`kvjax_attend_mass`), so a re-selection after a verify reads no key a second time: the bundled model's re-selection at
+32K 1.7-2.2 ms against 6.4-7.0 with `block_mass`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 //         k_pos s32[B, S] or s32[B, K, S]; kvjax_attend_int8: k, v s8 codes and k_scale, v_scale f32[B, K, S]
 //         after them
 // Outputs o f32[B, T, N, D] (un-normalised), m f32[B, T, N] (running max), l f32[B, T, N] (sum of exp(s - m))
-// Attrs   window (s64, <= 0: none), scale (f32)
+// Attrs   window (s64, <= 0: none), scale (f32), block (s64)
+// kvjax_attend_mass: also mass f32[B, K, ceil(S / mass_block)], the block masses of the query rows `mass_rows`
+//         (attrs mass_block, mass_rows: s64[]) from the probabilities the softmax computes (`GroupSums`, `MassOut`)
 //
 // Key s is visible to a query at position t iff 0 <= k_pos[s] <= t (and k_pos[s] > t - W). The statistics are the
 // online-softmax state of `pallas_kernels.online_softmax` (normalised by `finalize` in Python, which also adds
