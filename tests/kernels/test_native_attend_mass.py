@@ -1,7 +1,8 @@
 """Kernel 0 with some rows' block masses (`kvjax_attend_mass`, `native.attend_stats_mass`): the statistics are the
 plain kernel's bit for bit, the masses the jnp definition's within f32 rounding (ragged lengths, empty slots, per-head
 positions, several key segments, rows split among threads, bf16 keys, rows that see nothing), the same bits in the
-portable build, and the verify forward hands them to the refreshing drafter, whose VeriCache stays exact."""
+portable build, and `attention_with_block_mass` fuses them only where the native kernel runs (the refreshing drafter's
+VeriCache with them: `test_native_block_mass.test_refreshing_vericache_equals_the_reference_with_native_masses`)."""
 
 from __future__ import annotations
 
@@ -113,27 +114,3 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
             for t in (native.MASS_TARGET, "kvjax_attend_mass_scalar_test")]
     assert all(np.array_equal(a, b) for a, b in zip(*outs))
 
-
-def test_refreshing_vericache_takes_the_verify_masses_and_stays_exact(hf_model_dir, monkeypatch):
-    """At the default block (16) the re-selections score nothing themselves: the only block masses computed apart are
-    the first selection's (its 8 prompt rows); tokens and logits still equal `reference_decode`'s bit for bit."""
-    import kvjax
-    from kvjax.models import attention_scores
-
-    calls = []
-    real = attention_scores.native_block_mass
-    monkeypatch.setattr(attention_scores, "native_block_mass", lambda *a: calls.append(a[0].shape) or real(*a))
-    jax.clear_caches()  # traces made before the counter was in place must not be reused
-    try:
-        m = kvjax.load(hf_model_dir("llama")[1])
-        prompt = np.random.default_rng(1).integers(0, 97, 200).astype(np.int32)
-        ref = kvjax.reference_decode(m, prompt, 16, draft_len=4, return_logits=True)
-        kw = dict(ratio=4.0, block=16, recent_blocks=2, obs_window=8, min_drafts=0)
-        g = kvjax.generate_vericache(m, prompt, 16, compressor="refresh", compressor_kw=kw, draft_len=4,
-                                     ignore_eos=True, return_logits=True)
-        np.testing.assert_array_equal(g.tokens, ref.tokens)
-        np.testing.assert_array_equal(g.logits, ref.logits)
-        assert g.stats["verifications"] >= 3
-        assert {s[1] for s in calls} == {8}
-    finally:
-        jax.clear_caches()
