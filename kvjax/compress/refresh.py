@@ -11,11 +11,12 @@ the softmax mass the queries of the verify rows put on it (the first and the las
 and the rows. The draft keeps the top blocks within the same static budget as every other drafter (a
 `ratio`-th of the prompt), always with the first `sink_blocks` blocks and the `recent_blocks` blocks just before the
 tokens the draft's recent ring holds exactly. Budget, block size, rows and refresh period are static; selection is a
-`top_k`; nothing recompiles. The verify forward hands out its rows' queries (every verify-shape program does, so
-verification stays bit-identical to the reference decoder), a separate jitted step scores the full cache with them
-and gathers the new selection from the full cache the verify just read — in offloaded mode from the fetched copy,
-with no extra transfer. Before the first verification the selection is made the same way from the last `obs_window` prompt
-tokens' queries.
+`top_k`; nothing recompiles. The verify forward hands out its rows' queries and, where the native kernel ran its
+attention, the block masses they put on the cache it read (every verify-shape program does, so verification stays
+bit-identical to the reference decoder); a separate jitted step takes those masses (or scores the full cache with the
+queries where there are none) and gathers the new selection from the full cache the verify just read — in offloaded
+mode from the fetched copy, with no extra transfer. Before the first verification the selection is made the same way
+from the last `obs_window` prompt tokens' queries.
 
 Composed with quantization (`bulk_bits`, "refresh_kivi4" / "refresh_kivi2"), every prompt token is also kept in a
 KIVI-style bulk quantized once at compression; the selected blocks are hidden in it (`QuantizedBulk.hidden`), so
@@ -163,7 +164,9 @@ class Refresh(Compressor):
             each, identical output): SmolLM2 at 8K over 4 held-out prompts 1.61x vs 1.53x full-cache decoding (128
             tokens) and 1.59x vs 1.56x (256); the bundled model at 32K over 8 prompts 1.44x vs 1.41x (128) and 1.72x
             vs 1.71x (256); but the scheduler's 8 x 16K lock-step 1.30x and 1.35x against 1.43x and 1.47x, so it
-            stays 32.
+            stays 32. Since the verify hands out its rows' masses (`attention_with_block_mass`), a re-selection costs
+            the top-k and the gather alone (the bundled model at 32K 1.7-2.2 ms, SmolLM2 at 8K 12 ms, about half
+            before); every 16 drafts (1.69x) and every round (1.70x) still lost to 32 (1.75x) at 32K over 8 prompts.
         obs_window: prompt tokens whose queries make the first selection.
         bulk_bits: 0, or 2 / 4: also keep every prompt token in a KIVI-style quantized bulk (keys per channel over
             groups of `bulk_group` tokens, values per token), the selected blocks hidden in it: the draft then reads
