@@ -1,5 +1,6 @@
 """Native CPU kernels as XLA FFI custom calls, built on first use into one library and loaded through jax.ffi: kernel 0
-(`attention.cc`; with some rows' block masses from the same pass, `attend_stats_mass`), the refreshing drafter's block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
+(`attention.cc`; with some rows' block masses from the same pass, `attend_stats_mass`), the refreshing drafter's
+block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
 codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), gathers of a cache's rows as int8
 codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`, both on `gather.h`) and greedy tokens' argmax (`argmax.cc`,
