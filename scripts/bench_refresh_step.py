@@ -5,7 +5,8 @@ x = 32 verify (whose rows' queries score the cache, as in VeriCache):
   - the block masses alone, every full-attention layer in one jitted call, for R = 2 verify rows (a refresh) and
     R = `obs_window` prompt rows (the first selection): `block_mass` native vs the jnp reference (XLA);
   - the whole re-selection step (`kvjax.decode.refresh.refresh_step`, jitted as VeriCache calls it: masses, top-k,
-    gather) with each implementation of the masses;
+    gather) with each implementation of the masses, and with the masses the verify handed out (VeriCache's path
+    where the native kernel ran the verify: `attention_scores.attention_with_block_mass`, nothing scored apart);
   - one full-cache decode step (a 32-step loop, per step) in the same run, so a re-selection reads as decode steps;
   - `--smollm2-shape`: the masses alone at SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads, D = 64) on random
     arrays of `--smollm2-slots` slots.
@@ -67,7 +68,7 @@ def refresh_fn(impl: str):
     step = jax.jit(traced, static_argnames="family", donate_argnames="dcache")
 
     def run(dcache, full, aux, family):
-        attention_scores.IMPLEMENTATION = impl  # read at trace time, i.e. on the first call
+        attention_scores.IMPLEMENTATION = None if impl == "verify" else impl  # read at trace time (the first call)
         try:
             return step(dcache, full, aux, family=family)
         finally:
@@ -133,29 +134,31 @@ def bench_model(model, prompt, reps: int, log) -> tuple[list, dict]:
             f"XLA {med['xla'] * 1e3:7.2f} ms ({med['xla'] / med['native']:.1f}x), floor (a sum over the "
             f"{sum(k.nbytes for k in keys) >> 20} MiB of keys) {med['floor'] * 1e3:.2f} ms, max |diff| {err:.2e}")
 
-    steps_fn = {i: refresh_fn(i) for i in IMPLS}
+    steps_fn = {i: refresh_fn(i) for i in IMPLS + ("verify",)}
+    # the native / XLA contenders score the queries themselves: the verify's own masses taken out of its aux
+    scored_aux = (aux[0], aux[1], (None,) * len(aux[2]))
 
     def refresh_once(i):
         fresh = copy(dcache)  # donated by the step: a fresh copy each time, made outside the timed region
-        return timed(lambda: steps_fn[i](fresh, full, aux, family))
+        return timed(lambda: steps_fn[i](fresh, full, aux if i == "verify" else scored_aux, family))
 
     def decode_once():
         fresh = copy(full)
         return timed(lambda: steps.decode(model.loop_params(), config, fresh, first, seed, num_steps=DECODE_STEPS, family=family,
                                           impl=impl)[0]) / DECODE_STEPS
 
-    contenders = {f"refresh {i}": (lambda i=i: refresh_once(i)) for i in IMPLS}
+    contenders = {f"refresh {i}": (lambda i=i: refresh_once(i)) for i in IMPLS + ("verify",)}
     contenders["decode"] = decode_once
     med = interleaved(contenders, reps)
     dec = med["decode"]
     rows.append(dict(step="full-cache decode", ms=dec * 1e3, per="token", slots=cap))
     log(f"  full-cache decode step {dec * 1e3:.2f} ms")
-    for i in IMPLS:
+    for i in IMPLS + ("verify",):
         r = med[f"refresh {i}"]
         rows.append(dict(step="re-selection (refresh_step)", implementation=i, ms=r * 1e3, decode_steps=r / dec,
                          slots=cap))
         log(f"  re-selection, {i:6s} masses: {r * 1e3:7.2f} ms = {r / dec:.2f} decode steps")
-    summary["reselect_decode_steps"] = {i: med[f"refresh {i}"] / dec for i in IMPLS}
+    summary["reselect_decode_steps"] = {i: med[f"refresh {i}"] / dec for i in IMPLS + ("verify",)}
     summary["reselect_native_vs_xla"] = med["refresh native"] / med["refresh xla"]
     return rows, summary
 
