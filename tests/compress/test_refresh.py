@@ -31,19 +31,22 @@ def test_refresh_is_due_after_period_rounds_and_min_drafts():
     assert Refresh().spec(1000).min_drafts == 32  # the default: adaptive x down to 2-4 re-selects every ~32 drafts
 
 
-@pytest.mark.parametrize("name,offload,temperature,period", [
-    ("llama", False, 0.0, 1),
+@pytest.mark.parametrize("name,offload,temperature,period,block", [
+    ("llama", False, 0.0, 1, 8),
     # CI time: offloaded + sampled refresh stays in CI through test_refresh_over_a_quantized_bulk_is_exact[refresh_kivi4]
-    pytest.param("llama", True, 0.8, 1, marks=pytest.mark.slow),
-    pytest.param("qwen2", False, 0.0, 2, marks=pytest.mark.slow),  # CI time: the other families run other drafters
-    pytest.param("mistral", True, 0.0, 1, marks=pytest.mark.slow),
-    ("llama", False, 0.0, None)])  # None: the default schedule (re-select once 32 tokens were drafted)
-def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period):
+    pytest.param("llama", True, 0.8, 1, 8, marks=pytest.mark.slow),
+    # the default block: the re-selections take the verify's own masses (native kernel), here from a lent host copy
+    ("llama", True, 0.8, 1, 16),
+    pytest.param("qwen2", False, 0.0, 2, 8, marks=pytest.mark.slow),  # CI time: the other families run other drafters
+    pytest.param("mistral", True, 0.0, 1, 8, marks=pytest.mark.slow),
+    ("llama", False, 0.0, None, 8)])  # None: the default schedule (re-select once 32 tokens were drafted)
+def test_refresh_is_exact(hf_model_dir, name, offload, temperature, period, block):
     m = kvjax.load(hf_model_dir(name)[1])
     p = _prompt(seed=1)
     r = kvjax.reference_decode(m, p, 24, draft_len=4, temperature=temperature, seed=2, return_logits=True)
     ref, ref_lg = r.tokens, r.logits
     kw = dict(KW, period=period) if period is not None else {k: v for k, v in KW.items() if k != "min_drafts"}
+    kw["block"] = block
     g = kvjax.generate_vericache(m, p, 24, compressor="refresh", compressor_kw=kw, draft_len=4, offload=offload,
                                  temperature=temperature, seed=2, ignore_eos=True, return_logits=True)
     out, st, lg = g.tokens, g.stats, g.logits
