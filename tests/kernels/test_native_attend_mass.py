@@ -45,20 +45,21 @@ def _both(q, k, v, q_pos, k_pos, rows, mass_block=16):
     return [np.asarray(x) for x in fused], [np.asarray(x) for x in plain], np.asarray(want)
 
 
-@pytest.mark.parametrize("T,G,D,K,S,rows,per_head", [
-    (9, 2, 32, 4, 700, (0, 8), False),  # the bundled model's x = 8 verify: first and last rows, GQA 2
-    (9, 3, 64, 3, 1100, (0, 8), False),  # SmolLM2's shape: 9 query / 3 KV heads, D = 64 (128-key blocks)
-    (5, 2, 32, 2, 5000, (0, 4), False),  # several 2,048-key segments per row, merged after
-    (17, 3, 32, 3, 1500, (0, 16), False),  # 51 rows per head on 3 heads: rows split among the threads
-    (9, 2, 32, 2, 900, (3,), True),  # one row, per-head positions with holes
-    (4, 1, 32, 2, 333, (0, 1, 2, 3), False),  # every row, G = 1, a ragged last block
+@pytest.mark.parametrize("T,G,D,K,S,rows,per_head,B", [
+    (9, 2, 32, 4, 700, (0, 8), False, 2),  # the bundled model's x = 8 verify: first and last rows, GQA 2
+    (9, 3, 64, 3, 1100, (0, 8), False, 2),  # SmolLM2's shape: 9 query / 3 KV heads, D = 64 (128-key blocks)
+    (5, 2, 32, 2, 5000, (0, 4), False, 2),  # several 2,048-key segments per row, merged after
+    # one sequence, 3 KV heads (tiles do not divide among 2 threads), 51 rows, one segment: rows split among threads
+    (17, 3, 32, 3, 1000, (0, 16), False, 1),
+    (9, 2, 32, 2, 900, (3,), True, 2),  # one row, per-head positions with holes
+    (4, 1, 32, 2, 333, (0, 1, 2, 3), False, 2),  # every row, G = 1, a ragged last block
 ])
-def test_statistics_unchanged_and_masses_match_the_reference(T, G, D, K, S, rows, per_head):
-    q, k, v, q_pos, k_pos = _case(T, G, D, K=K, S=S, lengths=(S - 40, S // 3), per_head=per_head, seed=T + D + S)
+def test_statistics_unchanged_and_masses_match_the_reference(T, G, D, K, S, rows, per_head, B):
+    q, k, v, q_pos, k_pos = _case(T, G, D, K=K, S=S, lengths=(S - 40, S // 3)[:B], per_head=per_head, seed=T + D + S)
     (o, m, l, mass), plain, want = _both(q, k, v, q_pos, k_pos, rows)
     for got, ref in zip((o, m, l), plain):
         assert np.array_equal(got, ref)  # the masses only read the probabilities
-    assert mass.shape == want.shape == (2, K, -(-S // 16))
+    assert mass.shape == want.shape == (B, K, -(-S // 16))
     np.testing.assert_allclose(mass, want, **TOL)
     if not per_head:  # every row is a distribution over what it sees: a head's masses sum to its rows x G
         np.testing.assert_allclose(mass.sum(-1), len(rows) * G, rtol=1e-5)
