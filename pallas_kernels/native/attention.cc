@@ -181,14 +181,6 @@ inline __m256 GroupLanes(const float* p, int64_t g0, int64_t g1) {
   for (int64_t j = g0 + 8; j < g1; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + j));
   return acc;
 }
-
-// Reduce8 of each of 8 vectors at once, lane i = Reduce8(r[i]): hadd pairs lanes (0+1, 2+3, then their sums) within
-// each 128-bit half, the last add joins the halves -- Reduce8's tree, operand for operand.
-inline __m256 Reduce8x8(const __m256* r) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
 #endif
 
 // A mass row's share of one block's masses (kvjax_attend_mass): per group of mass_block slots, the sum of its

@@ -43,7 +43,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace kvjax_native;  // Pool, QKShape, ExpScalar, Exp8, Reduce8, Max8 (pool.h, shapes.h, simd.h)
+using namespace kvjax_native;  // Pool, QKShape, ExpScalar, Exp8, Reduce8(x8), Max8 (pool.h, shapes.h, simd.h)
 
 // Keys per chunk (rounded to whole blocks): an active row's chunk of scores (1 KiB) and the chunk's keys (32 KiB at
 // D = 32) stay in L1/L2 between the scoring and the exponentials.
@@ -74,8 +74,7 @@ inline float DotScalar(const float* q, const float* k, int64_t D, float scale) {
 
 #if KVJAX_AVX2
 // One row's scores against 8 consecutive keys (kb: D floats each, D % 8 == 0): per key, 8 lane partials over d
-// (a product, then FMAs), and the 8 keys' partials reduced together by a hadd tree whose order is Reduce8's:
-// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+// (a product, then FMAs), and the 8 keys' partials reduced together in Reduce8's order (`Reduce8x8`).
 inline __m256 Dot8(const float* q, const float* kb, int64_t D, __m256 scale) {
   __m256 a[8];
   {
@@ -87,12 +86,7 @@ inline __m256 Dot8(const float* q, const float* kb, int64_t D, __m256 scale) {
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j)
       a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * D + c), a[j]);
   }
-  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: after two levels, h = [lo(a0..a3) |
-  // hi(a0..a3)] with lo = (l0+l1)+(l2+l3), hi = (l4+l5)+(l6+l7); the 128-bit halves then add lo + hi per key.
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  const __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-  return _mm256_mul_ps(dot, scale);
+  return _mm256_mul_ps(Reduce8x8(a), scale);
 }
 #endif
 

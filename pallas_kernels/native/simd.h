@@ -155,6 +155,17 @@ struct Lanes16 {
 // Sum of 8 lane partials in a fixed tree order (both builds).
 inline float Reduce8(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
+#if KVJAX_AVX2
+// Reduce8 of each of 8 vectors at once, lane i = Reduce8(r[i]), operand for operand: hadd(x, y) = [x0+x1, x2+x3,
+// y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]; after two levels the halves hold (l0+l1)+(l2+l3) and (l4+l5)+(l6+l7) of
+// each vector, and one add across the 128-bit halves joins them.
+inline __m256 Reduce8x8(const __m256* r) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 // Max of 8 lane maxima in a fixed order (both builds; std::max's comparison, so NaN and -0 fall the same way).
 inline float Max8(const float* a) {
   float mx = -INFINITY;
