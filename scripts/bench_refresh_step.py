@@ -38,6 +38,7 @@ from kvjax.models import attention_scores  # noqa: E402
 from bench_common import heldout_prompts, load_bench_model, native_status, run_meta  # noqa: E402
 
 IMPLS = ("native", "xla")
+REFRESH_MASSES = IMPLS + ("verify",)  # the re-selection's contenders: each scoring, or the verify's own masses
 X = 32  # the verify whose rows' queries score (VeriCache's refresh at x = 32)
 DECODE_STEPS = 32
 
@@ -134,7 +135,7 @@ def bench_model(model, prompt, reps: int, log) -> tuple[list, dict]:
             f"XLA {med['xla'] * 1e3:7.2f} ms ({med['xla'] / med['native']:.1f}x), floor (a sum over the "
             f"{sum(k.nbytes for k in keys) >> 20} MiB of keys) {med['floor'] * 1e3:.2f} ms, max |diff| {err:.2e}")
 
-    steps_fn = {i: refresh_fn(i) for i in IMPLS + ("verify",)}
+    steps_fn = {i: refresh_fn(i) for i in REFRESH_MASSES}
     # the native / XLA contenders score the queries themselves: the verify's own masses taken out of its aux
     scored_aux = (aux[0], aux[1], (None,) * len(aux[2]))
 
@@ -147,18 +148,18 @@ def bench_model(model, prompt, reps: int, log) -> tuple[list, dict]:
         return timed(lambda: steps.decode(model.loop_params(), config, fresh, first, seed, num_steps=DECODE_STEPS, family=family,
                                           impl=impl)[0]) / DECODE_STEPS
 
-    contenders = {f"refresh {i}": (lambda i=i: refresh_once(i)) for i in IMPLS + ("verify",)}
+    contenders = {f"refresh {i}": (lambda i=i: refresh_once(i)) for i in REFRESH_MASSES}
     contenders["decode"] = decode_once
     med = interleaved(contenders, reps)
     dec = med["decode"]
     rows.append(dict(step="full-cache decode", ms=dec * 1e3, per="token", slots=cap))
     log(f"  full-cache decode step {dec * 1e3:.2f} ms")
-    for i in IMPLS + ("verify",):
+    for i in REFRESH_MASSES:
         r = med[f"refresh {i}"]
         rows.append(dict(step="re-selection (refresh_step)", implementation=i, ms=r * 1e3, decode_steps=r / dec,
                          slots=cap))
         log(f"  re-selection, {i:6s} masses: {r * 1e3:7.2f} ms = {r / dec:.2f} decode steps")
-    summary["reselect_decode_steps"] = {i: med[f"refresh {i}"] / dec for i in IMPLS + ("verify",)}
+    summary["reselect_decode_steps"] = {i: med[f"refresh {i}"] / dec for i in REFRESH_MASSES}
     summary["reselect_native_vs_xla"] = med["refresh native"] / med["refresh xla"]
     return rows, summary
 

@@ -84,7 +84,7 @@ def attention_with_block_mass(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: j
     """
     rows = tuple(sorted({r % q.shape[1] for r in rows}))
     impl = pallas_kernels.resolve(implementation)
-    if impl == "native" and native_wins(q, k) and native.default_block(q.shape[-1]) % block == 0 and block % 8 == 0:
+    if impl == "native" and native_wins(q, k) and native.mass_block_fits(block, native.default_block(q.shape[-1])):
         o, m, l, mass = native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=rows, mass_block=block)
         return pallas_kernels.finalize(o, m, l).astype(q.dtype), mass
     return attention(q, k, v, q_pos, k_pos, implementation=implementation), None

@@ -224,10 +224,7 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
     call, attrs = _stats_call(TARGET, q, k, window, scale, block)
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # the reference's, for the backward pass
     f32 = jnp.float32
-    v = k if v is None else v
-    # bf16 keys and values are read as they are (widened exactly inside the kernel): no f32 copy of the cache
-    kv_dtype = jnp.bfloat16 if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 else f32
-    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    k, v = _keys_values(k, v)
     q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
 
     # The custom call has no derivative: gradients (training, e.g. DeepSeek-V4's train step) take the f32
@@ -293,14 +290,26 @@ def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_bloc
     rows = tuple(int(r) for r in rows)
     if len(set(rows)) != len(rows) or not all(0 <= r < T for r in rows):
         raise ValueError(f"rows must be distinct query rows in [0, {T}), got {rows}")
-    if mass_block < 8 or mass_block % 8 or attrs["block"] % mass_block:
+    if not mass_block_fits(mass_block, int(attrs["block"])):
         raise ValueError(f"mass_block must be a multiple of 8 dividing the kernel's block {int(attrs['block'])}, "
                          f"got {mass_block}")
+    k, v = _keys_values(k, v)
+    return call(q.astype(jnp.float32), k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+                mass_block=np.int64(mass_block), mass_rows=np.asarray(rows, np.int64), **attrs)
+
+
+def mass_block_fits(mass_block: int, block: int) -> bool:
+    """Whether `attend_stats_mass` can sum masses over groups of `mass_block` slots in the kernel's `block`-slot key
+    blocks (`default_block(D)` unless given): a multiple of 8 that divides it."""
+    return mass_block >= 8 and mass_block % 8 == 0 and block % mass_block == 0
+
+
+def _keys_values(k, v):
+    """k and v (None: the keys) as the kernel reads them: bf16 as they are when both are bf16 (widened exactly inside
+    the kernel: no f32 copy of the cache), else f32."""
     v = k if v is None else v
     kv_dtype = jnp.bfloat16 if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 else jnp.float32
-    return call(q.astype(jnp.float32), k.astype(kv_dtype), v.astype(kv_dtype), q_pos.astype(jnp.int32),
-                k_pos.astype(jnp.int32), mass_block=np.int64(mass_block), mass_rows=np.asarray(rows, np.int64),
-                **attrs)
+    return k.astype(kv_dtype), v.astype(kv_dtype)
 
 
 def _stats_call(target, q, k, window, scale, block, extra=()):
