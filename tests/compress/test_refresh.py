@@ -183,3 +183,27 @@ def test_the_bulk_hides_exactly_the_blocks_held_at_full_precision(hf_model_dir):
     assert before != after  # re-selected
     for c, l in zip(codes, dc.layers):
         np.testing.assert_array_equal(c, np.asarray(l.parts[1].q.k_codes))
+
+
+def test_the_first_selection_takes_the_prompt_rows_masses_from_their_attention(hf_model_dir):
+    """`prompt_block_masses` (the first selection's scores): where the native kernel runs, every observed row's
+    masses come from its attention pass (no `kvjax_block_mass` pass over the keys); they agree with the masses the
+    queries score on their own (a block the kernel cannot sum: 24 does not divide its key block)."""
+    from kvjax.models.llama.refresh import prompt_block_masses
+
+    m = kvjax.load(hf_model_dir("qwen2")[1])
+    cache = m.family.init_cache(m.config, 1, 240, m.cache_dtype)
+    _, cache = steps.prefill(m, cache, _prompt(60))
+    toks, start = jnp.asarray(_prompt(60)[None, -8:]), jnp.asarray([52], jnp.int32)
+    hlo = prompt_block_masses.lower(m.params, m.config, cache, toks, start, block=8).as_text()
+    assert ("kvjax_attend_mass" in hlo) == (m.attention == "native")
+    assert "kvjax_block_mass" not in hlo or m.attention != "native"
+    fused = prompt_block_masses(m.params, m.config, cache, toks, start, block=8)
+    scored = prompt_block_masses(m.params, m.config, cache, toks, start, block=24)
+    G = m.config.num_heads // m.config.num_kv_heads
+    assert any(f is not None for f in fused)
+    for f, s in zip(fused, scored):
+        if f is None:
+            continue
+        np.testing.assert_allclose(np.asarray(f).sum(-1), 8 * G, rtol=1e-4)  # 8 rows, each a distribution
+        np.testing.assert_allclose(np.asarray(f).reshape(1, -1, 10, 3).sum(-1), np.asarray(s), rtol=1e-4, atol=1e-6)

@@ -83,8 +83,10 @@ def prompt_block_masses(params, config: ModelConfig, cache: ModelCache, tokens: 
         if isinstance(form, WindowKV):
             return attention(q, form.k, form.v, positions, form.slot_positions(), window=form.window), form, None
         kpos = form.key_positions()
-        out = attention(q, form.k, form.v, positions, kpos)
-        return out, form, block_mass(q, form.k, positions, kpos, block)
+        # every row's masses from the attention's own pass where the native kernel runs it (no second pass over the
+        # keys, most of an admission's compression), else scored from the queries
+        out, mass = attention_with_block_mass(q, form.k, form.v, positions, kpos, rows=tuple(range(T)), block=block)
+        return out, form, block_mass(q, form.k, positions, kpos, block) if mass is None else mass
 
     _, _, masses = decoder_stack(params, config, tokens, positions, cache.layers, attend)
     return masses
