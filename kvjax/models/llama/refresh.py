@@ -10,7 +10,9 @@ moved its logits in the last bits; XLA fused the queries' computation differentl
 native kernel's masses leave its statistics unchanged). `refresh_masses` takes the verify's masses, or scores the
 committed full cache with the queries where there are none (XLA, Pallas, another block size), in the refresh step's
 own jitted call, and the drafter re-gathers its blocks. `prompt_block_masses` scores the prompt from its last tokens'
-queries, for the first selection.
+queries, for the first selection: where the native kernel runs, every one of those rows' masses comes from its own
+attention pass too, instead of a second pass over the keys (`block_mass`): a compression, alternated in one process
+(AMD EPYC Zen 4), 16.3 against 19.4 ms on the bundled model at 16K, 114 against 148 ms on SmolLM2 at 8K.
 
 The verify's masses cover the keys the verify saw: the committed cache plus the verify block's own rows (the last row
 sees the drafts, rejected ones included), so a row's mass is normalised over a few more keys than the committed
@@ -74,8 +76,10 @@ def refresh_masses(full: ModelCache, aux, *, block: int) -> tuple:
 @functools.partial(jax.jit, static_argnames="block")
 def prompt_block_masses(params, config: ModelConfig, cache: ModelCache, tokens: jax.Array, start: jax.Array, *,
                         block: int):
-    """Per layer block mass f32[B, K, S // block] (None for sliding layers) that prompt tokens i32[B, T] at positions
-    start + t put on the prefilled cache (which already holds them; it is read, never written)."""
+    """Per layer block mass f32[B, K, ceil(S / block)] (None for sliding layers) that prompt tokens i32[B, T] at
+    positions start + t put on the prefilled cache (which already holds them; it is read, never written): from the
+    attention's own pass where the native kernel runs it and can sum `block`-slot groups, else scored from the
+    queries (`block_mass`)."""
     T = tokens.shape[1]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
