@@ -198,6 +198,9 @@ def test_the_first_selection_takes_the_prompt_rows_masses_from_their_attention(h
     hlo = prompt_block_masses.lower(m.params, m.config, cache, toks, start, block=8).as_text()
     assert ("kvjax_attend_mass" in hlo) == (m.attention == "native")
     assert "kvjax_block_mass" not in hlo or m.attention != "native"
+    from pallas_kernels import native
+
+    assert not native.mass_block_fits(24, native.default_block(m.config.head_dim))  # so block 24 is scored apart
     fused = prompt_block_masses(m.params, m.config, cache, toks, start, block=8)
     scored = prompt_block_masses(m.params, m.config, cache, toks, start, block=24)
     G = m.config.num_heads // m.config.num_kv_heads
