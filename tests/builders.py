@@ -120,13 +120,14 @@ def jitted_reference(fn, *args, **kw):
 
 
 def native_attention_case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_head=False, seed=0,
-                          kv_dtype=jnp.float32):
-    """Kernel 0's inputs (q, k, v, q_pos, k_pos): f32 queries, keys/values in `kv_dtype` over several native blocks
-    (S = 700: blocks of 256, the last one partial), ragged lengths; `per_head`: per-head positions with holes (a
+                          kv_dtype=jnp.float32, q_scale=1.0):
+    """Kernel 0's inputs (q, k, v, q_pos, k_pos): f32 queries (standard normal times `q_scale`: > 1 peaks the
+    softmax), keys/values in `kv_dtype` over several native blocks (S = 700: blocks of 256, the last one partial),
+    ragged lengths, the T query rows at each sequence's last T positions; `per_head`: per-head positions with holes (a
     sparse draft cache), head 0 of sequence 0 keeping only 40 keys."""
     rng = np.random.default_rng(seed)
     B = len(lengths)
-    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)) * q_scale, jnp.float32)
     k = jnp.asarray(rng.normal(size=(B, K, S, D)), kv_dtype)
     v = jnp.asarray(rng.normal(size=(B, K, S, D)), kv_dtype)
     L = np.asarray(lengths)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from builders import scalar_native_library
+from builders import native_attention_case, scalar_native_library
 
 from kvjax.models.attention_scores import attention_with_block_mass, block_mass_reference
 from pallas_kernels import native
@@ -20,21 +20,9 @@ TOL = dict(rtol=2e-5, atol=1e-6)
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library does not build here")
 
 
-def _case(T, G, D, *, K=2, S=700, lengths=(650, 301), per_head=False, seed=0):
-    """q [B, T, K * G, D] at the last T positions of each sequence, keys and values over S slots with `lengths[b]`
-    occupied, the rest empty (-1)."""
-    rng = np.random.default_rng(seed)
-    B = len(lengths)
-    q = jnp.asarray(rng.normal(size=(B, T, K * G, D)) * 2.0, jnp.float32)  # * 2: peaked, uneven masses
-    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
-    L = np.asarray(lengths)
-    q_pos = jnp.asarray(L[:, None] - T + np.arange(T)[None], jnp.int32)
-    k_pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1).astype(np.int32)
-    if per_head:  # per-head positions with holes (a sparse cache)
-        k_pos = np.repeat(k_pos[:, None], K, axis=1)
-        k_pos[rng.random(k_pos.shape) < 0.3] = -1
-    return q, k, v, q_pos, jnp.asarray(k_pos)
+def _case(T, G, D, **kw):
+    """`native_attention_case` with peaked queries (x 2: uneven masses) and D positional."""
+    return native_attention_case(T, G, D=D, q_scale=2.0, **kw)
 
 
 def _both(q, k, v, q_pos, k_pos, rows, mass_block=16):
