@@ -30,17 +30,31 @@ inline xla::ffi::Error ReadGatherShape(xla::ffi::Span<const int64_t> xd, xla::ff
   return Error::Success();
 }
 
+// Rows whose source is prefetched ahead of the row being written: a gathered row is a few lines at a slot the hardware
+// cannot predict, so without it each row waited on memory in turn. Measured (2-core Zen 4; SmolLM2's re-selection
+// shape, 2,048 of 8,192 slots per head, 3 heads, 60 cold caches in one jit, interleaved): 4 rows ahead 0.72x the time,
+// 8 rows 0.66x, 16 rows 0.67x.
+constexpr int64_t kRowsAhead = 8;
+
 // row(r, src) for every output row r = (b * K + k) * C + c: src is x's row at slot pos, or nullptr where the slot is
 // -1 or past S (an empty row). Rows in contiguous ranges, a few per thread.
 template <typename Fn>
 void ForEachRow(Workers& pool, const GatherShape& s, const float* x, const int32_t* pos, Fn&& row) {
   const int64_t rows = s.B * s.K * s.C;
   const int64_t units = std::min<int64_t>(pool.threads() * 4, std::max<int64_t>(rows, 1));
+  auto source = [&](int64_t r) -> const float* {
+    const int64_t b = r / (s.K * s.C), k = r / s.C % s.K, c = r % s.C;
+    const int32_t p = pos[s.per_head ? r : b * s.C + c];
+    return p < 0 || p >= s.S ? nullptr : x + ((b * s.K + k) * s.S + p) * s.D;
+  };
+  const int64_t row_bytes = s.D * static_cast<int64_t>(sizeof(float));
   pool.Run(units, [&](int64_t u) {
-    for (int64_t r = u * rows / units; r < (u + 1) * rows / units; ++r) {
-      const int64_t b = r / (s.K * s.C), k = r / s.C % s.K, c = r % s.C;
-      const int32_t p = pos[s.per_head ? r : b * s.C + c];
-      row(r, p < 0 || p >= s.S ? nullptr : x + ((b * s.K + k) * s.S + p) * s.D);
+    const int64_t r1 = (u + 1) * rows / units;
+    for (int64_t r = u * rows / units; r < r1; ++r) {
+      if (r + kRowsAhead < r1)
+        if (const char* next = reinterpret_cast<const char*>(source(r + kRowsAhead)))
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+      row(r, source(r));
     }
   });
 }
