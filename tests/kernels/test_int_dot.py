@@ -64,7 +64,7 @@ def test_reference_is_the_exact_product_within_the_rows_quantisation():
 
 
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
-# N = 2560: 40 panels, which the kernel takes in units of 8 consecutive panels (fewer panels: 2 per thread at least)
+# N = 2560: 40 panels, several consecutive ones per unit of work on a machine of few threads (8 each on two)
 @pytest.mark.parametrize("K,N,qtype", [(576, 960, Q.Q4_1), (1536, 576, Q.Q4_1), (64, 2560, Q.Q4_0)])
 def test_native_kernel_matches_its_definition_for_any_number_of_rows(K, N, qtype):
     from pallas_kernels.native.matmul import matmul_int_dot
