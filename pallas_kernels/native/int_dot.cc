@@ -191,13 +191,13 @@ ffi::Error MatmulIntDot(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.untyped_data());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.untyped_data());
   kvjax_native::Workers pool(xla_pool);
-  // Units of consecutive panels (at least two per thread, as `matmul.cc`'s packed products take them): a thread streams
-  // one contiguous run of codes, its prefetches running on into its next panel. One panel per unit, claimed in turn,
+  // Units of consecutive panels (`PanelUnits`, as `matmul.cc`'s packed products take them): a thread streams one
+  // contiguous run of codes, its prefetches running on into its next panel. One panel per unit, claimed in turn,
   // gave each thread every other panel (a 9-36 KiB stream each, the prefetch ahead landing in the other thread's
   // panel): measured on a 2-core Zen 4, SmolLM2's 121 one-row products of a draft token as a dependent chain 0.75-0.89x
   // the time (medians of 20-40 alternations), and in the model a draft token 0.90x (7.48 -> 6.74 ms), the same bits --
   // the panels' arithmetic is unchanged, only which thread runs which.
-  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(2 * pool.threads(), P / 8));
+  const int64_t units = kvjax_native::PanelUnits(pool, P);
   pool.Run(units, [&](int64_t u) {
     for (int64_t p = u * P / units; p < (u + 1) * P / units; ++p) {
       const uint8_t* qpp = qp + p * (K / 2) * kPairBytes;

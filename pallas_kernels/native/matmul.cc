@@ -503,7 +503,7 @@ ffi::Error PackedProduct(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, int6
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   kvjax_native::Workers pool(xla_pool);
-  const int64_t units = std::min<int64_t>(P, std::max<int64_t>(2 * pool.threads(), P / 8));
+  const int64_t units = kvjax_native::PanelUnits(pool, P);
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   pool.Run(units * groups, [&](int64_t u) {
     const int64_t p = u % units, g = u / units;

@@ -10,6 +10,7 @@
 #ifndef KVJAX_NATIVE_WORKERS_H_
 #define KVJAX_NATIVE_WORKERS_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -51,6 +52,14 @@ class Workers {
   xla::ffi::ThreadPool* xla_;
   int64_t xla_threads_ = 0;
 };
+
+// Units of work for a product over `panels` 64-column panels, each unit a run of consecutive panels (unit u takes
+// [u * panels / units, (u + 1) * panels / units)): at least two per thread where there are enough panels, so a late
+// thread costs less, and at most ~8 panels each. A thread then streams contiguous weights (`matmul.cc`'s packed
+// products, `int_dot.cc`).
+inline int64_t PanelUnits(const Workers& pool, int64_t panels) {
+  return std::min<int64_t>(panels, std::max<int64_t>(2 * pool.threads(), panels / 8));
+}
 
 }  // namespace kvjax_native
 
