@@ -37,6 +37,19 @@ def test_matches_reference_across_segments(T, G, window, per_head):
                                **TOL)
 
 
+@pytest.mark.parametrize("S_small,D", [(1536, 64), (1280, 32), (1100, 64)])
+def test_a_draft_sized_cache_in_two_segments_matches_the_reference(S_small, D):
+    # a draft's kept part: segments of 1,024 keys, so a short second one (1,536 slots at D = 64: 1,024 + 512; 1,280
+    # at D = 32: 1,024 + 256; 1,100 at D = 64: 1,024 + 76, its last block partial): against the reference, and a
+    # row's bits still its own
+    q, k, v, q_pos, k_pos = _case(5, 3, K=3, D=D, S=S_small, lengths=(S_small - 10, S_small // 3), per_head=True,
+                                  seed=S_small)
+    full = _native(q, k, v, q_pos, k_pos)
+    np.testing.assert_allclose(full, _reference(q, k, v, q_pos, k_pos), **TOL)
+    alone = _native(q[:, 2:3], k, v, q_pos[:, 2:3], k_pos)
+    assert np.array_equal(alone[:, 0], full[:, 2])
+
+
 def test_fully_masked_rows_stay_zero_across_segments():
     q, k, v, _, k_pos = _case(3, 2, S=S, lengths=(4990, 4990))
     q_pos = jnp.asarray([[-1, 0, 4100], [2500, 2600, 4900]], jnp.int32)  # padding; slot 0 only; one per segment
