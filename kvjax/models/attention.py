@@ -243,6 +243,9 @@ def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None
         [B, T, N, D] in q's dtype.
     """
     impl = pallas_kernels.resolve(implementation)
+    fused = _int8_ring_stats(q, parts, q_pos, window=window, scale=scale) if impl == "native" else None
+    if fused is not None:
+        return pallas_kernels.finalize(*fused).astype(q.dtype)
     stats = []
     for part in parts:
         if isinstance(part, Int8KV):
@@ -257,6 +260,29 @@ def attention_parts(q: jax.Array, parts, q_pos: jax.Array, *, window: int | None
     else:
         o, m, l = pallas_kernels.combine(*(jnp.stack(s, axis=0) for s in zip(*stats)), axis=0)
     return pallas_kernels.finalize(o, m, l).astype(q.dtype)
+
+
+# Whether `attention_parts` attends an int8 kept part and its f32/bf16 ring in one native call (benchmarks switch it
+# off to measure the two calls and their combine in the same process).
+FUSE_INT8_RING = True
+
+
+def _int8_ring_stats(q, parts, q_pos, *, window, scale):
+    """`(o, m, l)` of a draft's [int8 kept part, f32/bf16 ring] in one native call, or None for any other parts.
+
+    Two calls and XLA's combine of their statistics cost SmolLM2's draft token (30 layers) a fork and join of the
+    threads per call and ~8 small operations per layer; one call merges the parts' statistics where it computes them
+    (`native.attend_stats_int8_ring`: equal to the combine up to f32 rounding -- a draft's attention, lossy anyway).
+    """
+    if not FUSE_INT8_RING or len(parts) != 2 or not isinstance(parts[0], Int8KV) or not isinstance(parts[1], tuple):
+        return None
+    k, v, pos = parts[1]
+    v = k if v is None else v
+    if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
+        return None
+    kept = parts[0]
+    return native.attend_stats_int8_ring(q, kept.k, kept.v, kept.k_scale, kept.v_scale, q_pos, kept.pos, k, v, pos,
+                                         window=window, scale=scale)
 
 
 def quantized_part_stats(q, part: QuantizedKV, q_pos, *, window=None, scale=None, implementation=None):

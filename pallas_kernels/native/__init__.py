@@ -44,6 +44,7 @@ SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HE
 HEADERS = (HERE / "gather.h", HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")
 TARGET = "kvjax_attend"
 INT8_TARGET = "kvjax_attend_int8"  # attention.cc over int8 codes with per-slot scales (`attend_stats_int8`)
+INT8_RING_TARGET = "kvjax_attend_int8_ring"  # ... an int8 part and an f32/bf16 ring as one call (`attend_stats_int8_ring`)
 MASS_TARGET = "kvjax_attend_mass"  # attention.cc plus some rows' block masses (`attend_stats_mass`)
 GATHER_INT8_TARGET = "kvjax_gather_int8"  # gather_int8.cc: a cache's rows gathered as int8 codes (`gather_int8`)
 GATHER_ROWS_TARGET = "kvjax_gather_rows"  # gather_rows.cc: a cache's rows gathered as f32 or bf16 (`gather_rows`)
@@ -135,6 +136,8 @@ def _build() -> dict:
             handle = ctypes.cdll.LoadLibrary(str(lib))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.KvjaxAttend), platform="cpu")
             jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendInt8), platform="cpu")
+            jax.ffi.register_ffi_target(INT8_RING_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendInt8Ring),
+                                        platform="cpu")
             jax.ffi.register_ffi_target(MASS_TARGET, jax.ffi.pycapsule(handle.KvjaxAttendMass), platform="cpu")
             jax.ffi.register_ffi_target(GATHER_INT8_TARGET, jax.ffi.pycapsule(handle.KvjaxGatherInt8),
                                         platform="cpu")
@@ -267,6 +270,33 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
     f32 = jnp.float32
     return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
                 k_pos.astype(jnp.int32), **attrs)
+
+
+def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring_v, ring_pos, *, window=None,
+                           scale=None, block: int | None = None):
+    """`attend_stats` over the union of two parts, in one call: int8 codes with per-slot scales (as
+    `attend_stats_int8`) and a ring of f32 or bf16 keys and values (as `attend_stats`) -- a draft's kept tokens and its
+    recent ones. Each part's segments and the merge of all their statistics happen inside the call, so it equals
+    `combine` of the two parts' statistics up to f32 rounding (not bit for bit: the merge order is its own).
+
+    Args:
+        q: [B, T, N, D]; k, v, k_scale, v_scale, k_pos: the int8 part (`attend_stats_int8`); ring_k, ring_v:
+            f32 or bf16 [B, K, R, D] (one dtype); ring_pos: i32[B, R] or [B, K, R]; q_pos, window, scale, block:
+            as `attend_stats`.
+    """
+    call, attrs = _stats_call(INT8_RING_TARGET, q, k, window, scale, block)
+    B, K, S, D = k.shape
+    if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
+        raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
+    if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
+        raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
+    if ring_k.ndim != 4 or ring_k.shape[:2] != (B, K) or ring_k.shape[3] != D or ring_v.shape != ring_k.shape:
+        raise ValueError(f"ring_k and ring_v must be [B, K, R, D] with B, K, D = {(B, K, D)}, got {ring_k.shape} and "
+                         f"{ring_v.shape}")
+    ring_k, ring_v = _keys_values(ring_k, ring_v)
+    f32 = jnp.float32
+    return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
+                k_pos.astype(jnp.int32), ring_k, ring_v, ring_pos.astype(jnp.int32), **attrs)
 
 
 def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_block: int, window=None, scale=None,

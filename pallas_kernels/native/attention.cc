@@ -5,6 +5,8 @@
 //         after them
 // Outputs o f32[B, T, N, D] (un-normalised), m f32[B, T, N] (running max), l f32[B, T, N] (sum of exp(s - m))
 // Attrs   window (s64, <= 0: none), scale (f32), block (s64)
+// kvjax_attend_int8_ring: kvjax_attend_int8's inputs, then a second part's ring_k, ring_v (f32 or bf16) [B, K, R, D]
+//         and ring_pos s32[B, R] or s32[B, K, R]; the outputs are the statistics of both parts as one (`SolveParts`)
 // kvjax_attend_mass: also mass f32[B, K, ceil(S / mass_block)], the block masses of the query rows `mass_rows`
 //         (attrs mass_block, mass_rows: s64[]) from the probabilities the softmax computes (`GroupSums`, `MassOut`)
 //
@@ -970,6 +972,7 @@ void MergeSegments(const Problem& P, int64_t nseg, const float* po, const float*
 }
 
 ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P);
+void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts);
 void MassOut(const Problem& P);
 
 // The problem of one call: shapes checked, pointers set (k's element type is checked by the caller).
@@ -1036,6 +1039,38 @@ ffi::Error AttendInt8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi
   P.k_scale = k_scale.typed_data();
   P.v_scale = v_scale.typed_data();
   return Solve(xla_pool, P);
+}
+
+// A draft's two parts in one call: its kept tokens as int8 codes with per-slot scales and its recent ring (f32 or
+// bf16), each part's keys in segments as in `Solve`, every segment's statistics merged in one pass (kept segments,
+// then the ring's), so the call returns the statistics of the union. One call where the draft made two plus an XLA
+// combine of their statistics: each call's fork and join of the threads, and the combine's small operations, were a
+// tenth of a SmolLM2 draft token. The merge order differs from that of two calls and a combine (the same
+// arithmetic otherwise), so its bits are its own -- a draft's lossy attention, not a verify's.
+ffi::Error AttendInt8RingImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                              ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::AnyBuffer rk,
+                              ffi::AnyBuffer rv, ffi::Buffer<ffi::S32> r_pos, ffi::ResultBuffer<ffi::F32> o,
+                              ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window,
+                              float scale, int64_t block) {
+  if (k.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("k and v must be int8 codes");
+  const ffi::DataType rt = rk.element_type();
+  if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("the ring's k and v must both be f32 or both bf16");
+  Problem parts[2];
+  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, &parts[0]); e.failure())
+    return e;
+  const size_t scales = static_cast<size_t>(parts[0].B * parts[0].K * parts[0].S);
+  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
+    return ffi::Error::InvalidArgument("k_scale and v_scale must be [B, K, S]");
+  parts[0].k_scale = k_scale.typed_data();
+  parts[0].v_scale = v_scale.typed_data();
+  if (ffi::Error e = ReadProblem(q, rk, rv, q_pos, r_pos, o, m, l, window, scale, block, &parts[1]); e.failure())
+    return e;
+  if (parts[1].K != parts[0].K || parts[1].D != parts[0].D)
+    return ffi::Error::InvalidArgument("the ring must have the kept part's KV heads and head size");
+  SolveParts(xla_pool, parts, 2);
+  return ffi::Error::Success();
 }
 
 // Kernel 0 plus the block masses of some of its query rows (f32 or bf16 keys): what the refreshing drafter scores a
@@ -1146,6 +1181,49 @@ ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P) {
   return ffi::Error::Success();
 }
 
+// Several parts' keys as one softmax (`AttendInt8RingImpl`): every part's segments (`SegmentBlocks` of its own
+// capacity) are work units of their own, and their statistics merge in part order, then segment order. Parts share
+// q, the positions of the rows and the outputs; a part with no slots adds nothing.
+void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
+  Workers pool(xla_pool);
+  const Problem& P0 = parts[0];
+  const int64_t tiles = P0.B * P0.K, rows = P0.T * P0.G, Q = P0.B * P0.T * P0.N;
+  std::vector<int64_t> segb(nparts), first(nparts + 1, 0);  // per part: blocks per segment, its first segment
+  for (int i = 0; i < nparts; ++i) {
+    const Problem& P = parts[i];
+    const int64_t nblocks = (P.S + P.block - 1) / P.block;
+    segb[i] = SegmentBlocks(P.block, P.S);
+    first[i + 1] = first[i] + (P.S == 0 ? 0 : (nblocks + segb[i] - 1) / segb[i]);
+  }
+  const int64_t nseg = first[nparts];
+  if (nseg == 0 || P0.T == 0) {
+    std::fill(P0.o, P0.o + Q * P0.D, 0.0f);
+    std::fill(P0.m, P0.m + Q, kMInit);
+    std::fill(P0.l, P0.l + Q, 0.0f);
+    return;
+  }
+  std::vector<float> po(nseg * Q * P0.D), pm(nseg * Q), pl(nseg * Q);
+  pool.Run(tiles * nseg, [&](int64_t u) {
+    const int64_t sg = u % nseg, tile = u / nseg;
+    int i = 0;
+    while (first[i + 1] <= sg) ++i;
+    const Problem& P = parts[i];
+    const int64_t nblocks = (P.S + P.block - 1) / P.block;
+    const int64_t i0 = (sg - first[i]) * segb[i], i1 = std::min(nblocks, i0 + segb[i]);
+    float* oo = po.data() + sg * Q * P.D;
+    float* om = pm.data() + sg * Q;
+    float* ol = pl.data() + sg * Q;
+    if (P.k_scale != nullptr)
+      RunUnit<int8_t>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
+    else if (P.bf16)
+      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
+    else
+      RunUnit<float>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
+  });
+  const int64_t n = std::min<int64_t>(pool.threads(), Q);
+  pool.Run(n, [&](int64_t u) { MergeSegments(P0, nseg, po.data(), pm.data(), pl.data(), u * Q / n, (u + 1) * Q / n); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
@@ -1172,6 +1250,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8, AttendInt8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8Ring, AttendInt8RingImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // k: int8 codes
+                                  .Arg<ffi::AnyBuffer>()  // v: int8 codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()  // the ring's k: f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // the ring's v: its k's dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
