@@ -271,8 +271,10 @@ def _int8_ring_stats(q, parts, q_pos, *, window, scale):
     """`(o, m, l)` of a draft's [int8 kept part, f32/bf16 ring] in one native call, or None for any other parts.
 
     Two calls and XLA's combine of their statistics cost SmolLM2's draft token (30 layers) a fork and join of the
-    threads per call and ~8 small operations per layer; one call merges the parts' statistics where it computes them
-    (`native.attend_stats_int8_ring`: equal to the combine up to f32 rounding -- a draft's attention, lossy anyway).
+    threads per call and the combine's small operations per layer; one call merges the parts' statistics where it
+    computes them (`native.attend_stats_int8_ring`: equal to the combine up to f32 rounding -- a draft's attention,
+    lossy anyway). Measured, SmolLM2's draft token at 8K, interleaved in one process: 0.95-0.99x the time, the same
+    drafts.
     """
     if not FUSE_INT8_RING or len(parts) != 2 or not isinstance(parts[0], Int8KV) or not isinstance(parts[1], tuple):
         return None
