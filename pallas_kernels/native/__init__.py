@@ -285,7 +285,7 @@ def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring
             as `attend_stats`.
     """
     call, attrs = _stats_call(INT8_RING_TARGET, q, k, window, scale, block)
-    B, K, S, D = k.shape
+    (B, K, S), D = k.shape[:3], k.shape[-1]
     if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
         raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
     if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):

@@ -1137,11 +1137,29 @@ void MassOut(const Problem& P) {
       }
 }
 
+// The statistics of rows that see nothing: o = 0, m = M_INIT, l = 0.
+void EmptyStats(const Problem& P) {
+  const int64_t Q = P.B * P.T * P.N;
+  std::fill(P.o, P.o + Q * P.D, 0.0f);
+  std::fill(P.m, P.m + Q, kMInit);
+  std::fill(P.l, P.l + Q, 0.0f);
+}
+
+// One work unit of `P` (`RunUnit`) by its keys' element type: int8 codes, bf16 or f32.
+void RunUnitOf(const Problem& P, int64_t tile, int64_t r0, int64_t r1, int64_t i0, int64_t i1, float* out_o,
+               float* out_m, float* out_l) {
+  const int64_t b = tile / P.K, h = tile % P.K;
+  if (P.k_scale != nullptr)
+    RunUnit<int8_t>(P, b, h, r0, r1, i0, i1, out_o, out_m, out_l);
+  else if (P.bf16)
+    RunUnit<uint16_t>(P, b, h, r0, r1, i0, i1, out_o, out_m, out_l);
+  else
+    RunUnit<float>(P, b, h, r0, r1, i0, i1, out_o, out_m, out_l);
+}
+
 ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P) {
   if (P.S == 0 || P.T == 0) {
-    std::fill(P.o, P.o + P.B * P.T * P.N * P.D, 0.0f);
-    std::fill(P.m, P.m + P.B * P.T * P.N, kMInit);
-    std::fill(P.l, P.l + P.B * P.T * P.N, 0.0f);
+    EmptyStats(P);
     return ffi::Error::Success();
   }
   Workers pool(xla_pool);
@@ -1166,12 +1184,7 @@ ffi::Error Solve(ffi::ThreadPool& xla_pool, Problem& P) {
     float* oo = nseg > 1 ? po.data() + sg * Q * P.D : P.o;
     float* om = nseg > 1 ? pm.data() + sg * Q : P.m;
     float* ol = nseg > 1 ? pl.data() + sg * Q : P.l;
-    if (P.k_scale != nullptr)
-      RunUnit<int8_t>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
-    else if (P.bf16)
-      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
-    else
-      RunUnit<float>(P, tile / P.K, tile % P.K, r0, r1, i0, i1, oo, om, ol);
+    RunUnitOf(P, tile, r0, r1, i0, i1, oo, om, ol);
   });
   if (nseg > 1) {
     const int64_t parts = std::min<int64_t>(threads, Q);
@@ -1197,12 +1210,7 @@ void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
     first[i + 1] = first[i] + (P.S == 0 ? 0 : (nblocks + segb[i] - 1) / segb[i]);
   }
   const int64_t nseg = first[nparts];
-  if (nseg == 0 || P0.T == 0) {
-    std::fill(P0.o, P0.o + Q * P0.D, 0.0f);
-    std::fill(P0.m, P0.m + Q, kMInit);
-    std::fill(P0.l, P0.l + Q, 0.0f);
-    return;
-  }
+  if (nseg == 0 || P0.T == 0) return EmptyStats(P0);
   std::vector<float> po(nseg * Q * P0.D), pm(nseg * Q), pl(nseg * Q);
   pool.Run(tiles * nseg, [&](int64_t u) {
     const int64_t sg = u % nseg, tile = u / nseg;
@@ -1211,15 +1219,7 @@ void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
     const Problem& P = parts[i];
     const int64_t nblocks = (P.S + P.block - 1) / P.block;
     const int64_t i0 = (sg - first[i]) * segb[i], i1 = std::min(nblocks, i0 + segb[i]);
-    float* oo = po.data() + sg * Q * P.D;
-    float* om = pm.data() + sg * Q;
-    float* ol = pl.data() + sg * Q;
-    if (P.k_scale != nullptr)
-      RunUnit<int8_t>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
-    else if (P.bf16)
-      RunUnit<uint16_t>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
-    else
-      RunUnit<float>(P, tile / P.K, tile % P.K, 0, rows, i0, i1, oo, om, ol);
+    RunUnitOf(P, tile, 0, rows, i0, i1, po.data() + sg * Q * P.D, pm.data() + sg * Q, pl.data() + sg * Q);
   });
   const int64_t n = std::min<int64_t>(pool.threads(), Q);
   pool.Run(n, [&](int64_t u) { MergeSegments(P0, nseg, po.data(), pm.data(), pl.data(), u * Q / n, (u + 1) * Q / n); });
