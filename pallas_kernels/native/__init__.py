@@ -262,11 +262,7 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
             as `attend_stats`.
     """
     call, attrs = _stats_call(INT8_TARGET, q, k, window, scale, block)
-    B, K, S = k.shape[:3]
-    if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
-        raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
-    if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
-        raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
+    _check_int8_part(k, v, k_scale, v_scale)
     f32 = jnp.float32
     return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
                 k_pos.astype(jnp.int32), **attrs)
@@ -285,11 +281,8 @@ def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring
             as `attend_stats`.
     """
     call, attrs = _stats_call(INT8_RING_TARGET, q, k, window, scale, block)
-    (B, K, S), D = k.shape[:3], k.shape[-1]
-    if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
-        raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
-    if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
-        raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
+    _check_int8_part(k, v, k_scale, v_scale)
+    (B, K), D = k.shape[:2], k.shape[-1]
     if ring_k.ndim != 4 or ring_k.shape[:2] != (B, K) or ring_k.shape[3] != D or ring_v.shape != ring_k.shape:
         raise ValueError(f"ring_k and ring_v must be [B, K, R, D] with B, K, D = {(B, K, D)}, got {ring_k.shape} and "
                          f"{ring_v.shape}")
@@ -297,6 +290,15 @@ def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring
     f32 = jnp.float32
     return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
                 k_pos.astype(jnp.int32), ring_k, ring_v, ring_pos.astype(jnp.int32), **attrs)
+
+
+def _check_int8_part(k, v, k_scale, v_scale):
+    """Raise ValueError unless k, v are int8 codes of one shape and k_scale, v_scale are [B, K, S]."""
+    B, K, S = k.shape[:3]
+    if k.dtype != jnp.int8 or v.dtype != jnp.int8 or v.shape != k.shape:
+        raise ValueError(f"k and v must be int8 codes of one shape, got {k.dtype}{k.shape} and {v.dtype}{v.shape}")
+    if k_scale.shape != (B, K, S) or v_scale.shape != (B, K, S):
+        raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
 
 
 def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_block: int, window=None, scale=None,

@@ -1025,19 +1025,30 @@ ffi::Error AttendImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::An
   return Solve(xla_pool, P);
 }
 
+// The problem of an int8 part (`ReadProblem`, then its codes' type and scales checked and set).
+ffi::Error ReadInt8Problem(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                           ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale, ffi::Buffer<ffi::S32>& q_pos,
+                           ffi::Buffer<ffi::S32>& k_pos, ffi::ResultBuffer<ffi::F32>& o, ffi::ResultBuffer<ffi::F32>& m,
+                           ffi::ResultBuffer<ffi::F32>& l, int64_t window, float scale, int64_t block, Problem* out) {
+  if (k.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("k and v must be int8 codes");
+  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, out); e.failure()) return e;
+  const size_t scales = static_cast<size_t>(out->B * out->K * out->S);
+  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
+    return ffi::Error::InvalidArgument("k_scale and v_scale must be [B, K, S]");
+  out->k_scale = k_scale.typed_data();
+  out->v_scale = v_scale.typed_data();
+  return ffi::Error::Success();
+}
+
 // int8 codes with one f32 scale per (batch, kv head, slot) for the keys and for the values (a draft's kept tokens).
 ffi::Error AttendInt8Impl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> q_pos,
                           ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                           ffi::ResultBuffer<ffi::F32> l, int64_t window, float scale, int64_t block) {
-  if (k.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("k and v must be int8 codes");
   Problem P;
-  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, &P); e.failure()) return e;
-  const size_t scales = static_cast<size_t>(P.B * P.K * P.S);
-  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
-    return ffi::Error::InvalidArgument("k_scale and v_scale must be [B, K, S]");
-  P.k_scale = k_scale.typed_data();
-  P.v_scale = v_scale.typed_data();
+  if (ffi::Error e = ReadInt8Problem(q, k, v, k_scale, v_scale, q_pos, k_pos, o, m, l, window, scale, block, &P);
+      e.failure())
+    return e;
   return Solve(xla_pool, P);
 }
 
@@ -1054,18 +1065,14 @@ ffi::Error AttendInt8RingImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer rv, ffi::Buffer<ffi::S32> r_pos, ffi::ResultBuffer<ffi::F32> o,
                               ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, int64_t window,
                               float scale, int64_t block) {
-  if (k.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("k and v must be int8 codes");
+  Problem parts[2];
+  if (ffi::Error e =
+          ReadInt8Problem(q, k, v, k_scale, v_scale, q_pos, k_pos, o, m, l, window, scale, block, &parts[0]);
+      e.failure())
+    return e;
   const ffi::DataType rt = rk.element_type();
   if (rt != ffi::DataType::F32 && rt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("the ring's k and v must both be f32 or both bf16");
-  Problem parts[2];
-  if (ffi::Error e = ReadProblem(q, k, v, q_pos, k_pos, o, m, l, window, scale, block, &parts[0]); e.failure())
-    return e;
-  const size_t scales = static_cast<size_t>(parts[0].B * parts[0].K * parts[0].S);
-  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
-    return ffi::Error::InvalidArgument("k_scale and v_scale must be [B, K, S]");
-  parts[0].k_scale = k_scale.typed_data();
-  parts[0].v_scale = v_scale.typed_data();
   if (ffi::Error e = ReadProblem(q, rk, rv, q_pos, r_pos, o, m, l, window, scale, block, &parts[1]); e.failure())
     return e;
   if (parts[1].K != parts[0].K || parts[1].D != parts[0].D)
@@ -1202,12 +1209,13 @@ void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
   Workers pool(xla_pool);
   const Problem& P0 = parts[0];
   const int64_t tiles = P0.B * P0.K, rows = P0.T * P0.G, Q = P0.B * P0.T * P0.N;
-  std::vector<int64_t> segb(nparts), first(nparts + 1, 0);  // per part: blocks per segment, its first segment
+  // per part: its blocks, blocks per segment, its first segment
+  std::vector<int64_t> nblocks(nparts), segb(nparts), first(nparts + 1, 0);
   for (int i = 0; i < nparts; ++i) {
     const Problem& P = parts[i];
-    const int64_t nblocks = (P.S + P.block - 1) / P.block;
+    nblocks[i] = (P.S + P.block - 1) / P.block;
     segb[i] = SegmentBlocks(P.block, P.S);
-    first[i + 1] = first[i] + (P.S == 0 ? 0 : (nblocks + segb[i] - 1) / segb[i]);
+    first[i + 1] = first[i] + (nblocks[i] + segb[i] - 1) / segb[i];  // none for a part with no slots
   }
   const int64_t nseg = first[nparts];
   if (nseg == 0 || P0.T == 0) return EmptyStats(P0);
@@ -1217,8 +1225,7 @@ void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
     int i = 0;
     while (first[i + 1] <= sg) ++i;
     const Problem& P = parts[i];
-    const int64_t nblocks = (P.S + P.block - 1) / P.block;
-    const int64_t i0 = (sg - first[i]) * segb[i], i1 = std::min(nblocks, i0 + segb[i]);
+    const int64_t i0 = (sg - first[i]) * segb[i], i1 = std::min(nblocks[i], i0 + segb[i]);
     RunUnitOf(P, tile, 0, rows, i0, i1, po.data() + sg * Q * P.D, pm.data() + sg * Q, pl.data() + sg * Q);
   });
   const int64_t n = std::min<int64_t>(pool.threads(), Q);
