@@ -121,3 +121,59 @@ def sparse_reference(q, k, v, indices, *, scale=None, sinks=None, return_stats=F
     vg = None if v is None else gather(v, idx)
     vis = (indices >= 0)[:, None]  # [B, 1, T, P]
     return masked_softmax_attention(q, kg, vg, vis, scale=scale, sinks=sinks, return_stats=return_stats)
+
+
+def quantize_query_rows(q):
+    """Each query row and head as int8 codes (the native kernel's `qscores`): per [..., D] row amax = max |q|, codes
+    round(q * (127 / amax)) to nearest (ties to even), scale amax / 127; a zero row: codes 0, scale 0.
+    Returns (codes i32[..., D], scale f32[..., 1])."""
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(qf), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0)
+    codes = jnp.clip(jnp.round(qf * inv), -127, 127).astype(jnp.int32)
+    return codes, amax / jnp.float32(127)
+
+
+def int8_qscores_reference(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, scale=None, ring=None,
+                           return_stats=False):
+    """Attention over int8 codes read as integers (`native.attend_stats_int8(..., qscores=True)`): a score is the
+    exact integer dot product of the row's codes (`quantize_query_rows`) and the key's, times (the row's scale times
+    `scale`), times the key's scale; a value enters as its codes with its scale multiplied into its probability.
+    `ring`: (k, v, pos) of a second part attended in f32 as `attend_reference` does, in the same softmax.
+
+    Args:
+        q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos i32[B, T]; k_pos i32[B, S]
+            or [B, K, S]; window, scale, return_stats: as `attend_reference`.
+    """
+    B, T, N, D = q.shape
+    K = k.shape[1]
+    G = N // K
+    scale = D**-0.5 if scale is None else scale
+    hp = jax.lax.Precision.HIGHEST
+    codes, qs = quantize_query_rows(q)
+    rs = (qs * jnp.float32(scale)).reshape(B, T, K, G)
+    idot = jnp.einsum("BTKGD,BKSD->BKGTS", codes.reshape(B, T, K, G, D), k.astype(jnp.int32))
+    s = (idot.astype(jnp.float32) * jnp.transpose(rs, (0, 2, 3, 1))[..., None]) * k_scale[:, :, None, None, :]
+    vis = position_visible(q_pos, k_pos, window)[:, :, None]  # [B, K|1, 1, T, S]
+    vis = jnp.broadcast_to(vis, s.shape)
+    vals = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None], (B, K, G, *v.shape[2:]))
+    pscale = jnp.broadcast_to(v_scale[:, :, None, None, :], s.shape)
+    if ring is not None:
+        rk, rv, rpos = ring
+        qg = q.astype(jnp.float32).reshape(B, T, K, G, D)
+        s2 = jnp.einsum("BTKGD,BKSD->BKGTS", qg, rk.astype(jnp.float32), precision=hp) * scale
+        vis2 = jnp.broadcast_to(position_visible(q_pos, rpos, window)[:, :, None], s2.shape)
+        s, vis = jnp.concatenate([s, s2], -1), jnp.concatenate([vis, vis2], -1)
+        vals = jnp.concatenate([vals, jnp.broadcast_to(rv.astype(jnp.float32)[:, :, None], (B, K, G, *rv.shape[2:]))],
+                               -2)
+        pscale = jnp.concatenate([pscale, jnp.ones(s2.shape, jnp.float32)], -1)
+    s = jnp.where(vis, s, osm.MASK_VALUE)
+    m = jnp.max(s, axis=-1)  # [B, K, G, T]
+    p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("BKGTS,BKGSD->BTKGD", p * pscale, vals, precision=hp).reshape(B, T, N, D)
+    m = jnp.transpose(m, (0, 3, 1, 2)).reshape(B, T, N)
+    l = jnp.transpose(l, (0, 3, 1, 2)).reshape(B, T, N)
+    if return_stats:
+        return o, m, l
+    return osm.finalize(o, m, l).astype(q.dtype)

@@ -251,11 +251,16 @@ def attend_stats(q, k, v, q_pos, k_pos, *, window=None, scale=None, block: int |
 
 
 def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, scale=None,
-                      block: int | None = None):
+                      block: int | None = None, qscores: bool = False):
     """`attend_stats` over int8 codes with one f32 scale per (batch, kv head, slot): keys `k * k_scale[..., None]`,
     values `v * v_scale[..., None]` (`kvjax.cache.draft.Int8KV`). Only the codes and scales are read: each code is
     widened and multiplied by its slot's scale in registers (the one f32 product of that dequantisation), so the
     statistics are bit for bit `attend_stats` over the dequantised f32 arrays.
+
+    With `qscores`, the codes are read as integers instead (`reference_int8_qscores` gives the arithmetic): each
+    query row is quantised to int8 codes per head, a score is the exact integer dot product of the two codes times
+    the row's and the key's scales, and each value's scale multiplies its probability rather than the value -- a
+    draft's attention, lossy anyway, at a fraction of the instructions per key.
 
     Args:
         q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos, k_pos, window, scale, block:
@@ -265,11 +270,11 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
     _check_int8_part(k, v, k_scale, v_scale)
     f32 = jnp.float32
     return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
-                k_pos.astype(jnp.int32), **attrs)
+                k_pos.astype(jnp.int32), qscores=np.int64(bool(qscores)), **attrs)
 
 
 def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring_v, ring_pos, *, window=None,
-                           scale=None, block: int | None = None):
+                           scale=None, block: int | None = None, qscores: bool = False):
     """`attend_stats` over the union of two parts, in one call: int8 codes with per-slot scales (as
     `attend_stats_int8`) and a ring of f32 or bf16 keys and values (as `attend_stats`) -- a draft's kept tokens and its
     recent ones. Each part's segments and the merge of all their statistics happen inside the call, so it equals
@@ -278,7 +283,7 @@ def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring
     Args:
         q: [B, T, N, D]; k, v, k_scale, v_scale, k_pos: the int8 part (`attend_stats_int8`); ring_k, ring_v:
             f32 or bf16 [B, K, R, D] (one dtype); ring_pos: i32[B, R] or [B, K, R]; q_pos, window, scale, block:
-            as `attend_stats`.
+            as `attend_stats`; qscores: the int8 part's scores as `attend_stats_int8`'s (the ring's stay f32).
     """
     call, attrs = _stats_call(INT8_RING_TARGET, q, k, window, scale, block)
     _check_int8_part(k, v, k_scale, v_scale)
@@ -289,7 +294,8 @@ def attend_stats_int8_ring(q, k, v, k_scale, v_scale, q_pos, k_pos, ring_k, ring
     ring_k, ring_v = _keys_values(ring_k, ring_v)
     f32 = jnp.float32
     return call(q.astype(f32), k, v, k_scale.astype(f32), v_scale.astype(f32), q_pos.astype(jnp.int32),
-                k_pos.astype(jnp.int32), ring_k, ring_v, ring_pos.astype(jnp.int32), **attrs)
+                k_pos.astype(jnp.int32), ring_k, ring_v, ring_pos.astype(jnp.int32), qscores=np.int64(bool(qscores)),
+                **attrs)
 
 
 def _check_int8_part(k, v, k_scale, v_scale):

@@ -103,9 +103,11 @@ def test_bad_inputs_are_refused_with_reasons():
         native.attend_stats_int8(q[:, :, :3], part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos)
 
 
-def test_the_dispatcher_sends_int8_parts_to_native_and_xla_dequantises():
+def test_the_dispatcher_sends_int8_parts_to_native_and_xla_dequantises(monkeypatch):
     """`attention_parts` (the draft's attention over its parts) takes the native kernel for an `Int8KV` natively,
-    and the XLA path attends to `dense()`: both agree with the f32 statistics of the dequantised values."""
+    and the XLA path attends to `dense()`: both agree with the f32 statistics of the dequantised values (f32 scores:
+    the integer ones are `test_native_int8_qscores.py`'s)."""
+    monkeypatch.setattr(attn, "INT8_QSCORES", False)
     q, part, q_pos = _case(9, 2, per_head=True, seed=7)
     k, v, pos = part.dense()
     ring = (k[:, :, :64], v[:, :, :64], jnp.full(pos.shape[:1] + (64,), -1, jnp.int32))  # an empty recent ring
@@ -153,7 +155,7 @@ def test_scalar_build_equals_the_vector_build_for_int8(tmp_path):
                   jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
         outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos,
                                                  window=np.int64(window or 0), scale=np.float32(D**-0.5),
-                                                 block=np.int64(native.default_block(D)))
+                                                 block=np.int64(native.default_block(D)), qscores=np.int64(0))
                 for target in (native.INT8_TARGET, "kvjax_attend_int8_scalar")]
         _assert_same(*outs)
         x = part.dense()[0]

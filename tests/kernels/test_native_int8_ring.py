@@ -85,6 +85,7 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows():
 
 
 def test_the_draft_attention_takes_one_call_for_a_kept_part_and_its_ring(monkeypatch):
+    monkeypatch.setattr(attn, "INT8_QSCORES", False)  # f32 scores, as the two calls compute (integer ones: their test)
     q, part, ring, q_pos = _case(1, 3, seed=8)
 
     def lowered():
@@ -122,7 +123,7 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
         shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in (q.shape, q.shape[:3], q.shape[:3]))
         outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, rk,
                                                  rv, r_pos, window=np.int64(0), scale=np.float32(D**-0.5),
-                                                 block=np.int64(native.default_block(D)))
+                                                 block=np.int64(native.default_block(D)), qscores=np.int64(0))
                 for target in (native.INT8_RING_TARGET, "kvjax_attend_int8_ring_scalar")]
         for a, b in zip(*outs):
             assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D)

@@ -1,0 +1,140 @@
+"""int8 codes read as integers (`native.attend_stats_int8(..., qscores=True)` and the ring call's): a draft's kept
+keys scored by exact integer dot products with each query row's int8 codes, and each value's scale multiplied into
+its probability.
+
+Against `pallas_kernels.reference.int8_qscores_reference` (its definition) within f32 rounding: SmolLM2's shape
+(the AVX-512 VNNI tiles where the CPU has them) and head sizes that take the plain integer loop, per-head positions,
+windows, rings in f32 and bf16, empty rings and fully masked rows; a row's bits do not depend on the other rows; the
+draft's fused attention takes it (`attention.INT8_QSCORES`) and stays close to the f32 scores; and (slow) the scalar
+build gives the vector build's bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from builders import native_attention_case, scalar_native_library
+
+import pallas_kernels as pk
+from kvjax.cache.draft import Int8KV
+from kvjax.models import attention as attn
+from pallas_kernels import native
+from pallas_kernels.reference import int8_qscores_reference, quantize_query_rows
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernel does not build here")
+
+TOL = dict(atol=3e-6, rtol=3e-5)
+
+
+def _case(T, G, *, D=64, K=3, S=700, R=64, fill=20, per_head=True, ring_dtype=jnp.float32, seed=0):
+    """Queries, an `Int8KV` kept part over slots 0..S-31 (positions with holes), and a ring of R slots whose first
+    `fill` hold the positions right after the kept ones (the query rows the last of them)."""
+    q, k, v, _, k_pos = native_attention_case(T, G, K=K, D=D, S=S, lengths=(S - 30,), per_head=per_head, seed=seed)
+    part = Int8KV.quantize(k, v, k_pos)
+    rng = np.random.default_rng(seed + 1)
+    rk = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
+    rv = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
+    start = S - 30
+    r_pos = jnp.asarray(np.where(np.arange(R) < fill, start + np.arange(R), -1)[None], jnp.int32)
+    q_pos = jnp.asarray((start + max(fill, T) - T + np.arange(T))[None], jnp.int32)
+    return q * 3.0, part, (rk, rv, r_pos), q_pos
+
+
+def _kernel(q, part, ring, q_pos, window=None):
+    if ring is None:
+        return jax.jit(lambda q, p, qp: native.attend_stats_int8(q, p.k, p.v, p.k_scale, p.v_scale, qp, p.pos,
+                                                                 window=window, qscores=True))(q, part, q_pos)
+    return jax.jit(lambda q, p, r, qp: native.attend_stats_int8_ring(
+        q, p.k, p.v, p.k_scale, p.v_scale, qp, p.pos, *r, window=window, qscores=True))(q, part, ring, q_pos)
+
+
+def _want(q, part, ring, q_pos, window=None):
+    return int8_qscores_reference(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, window=window,
+                                  ring=ring, return_stats=True)
+
+
+def _assert_close(got, want):
+    """Rows that see a key: the running max, the sum and the output within f32 rounding; the others empty."""
+    (go, gm, gl), (wo, wm, wl) = ([np.asarray(x) for x in s] for s in (got, want))
+    seen = wl > 0
+    assert seen.any()
+    np.testing.assert_allclose(gm[seen], wm[seen], **TOL)
+    np.testing.assert_allclose(gl[seen], wl[seen], **TOL)
+    np.testing.assert_allclose(np.asarray(pk.finalize(*got)), np.asarray(pk.finalize(*want)), **TOL)
+    assert np.all(gl[~seen] == 0) and np.all(gm[~seen] == np.finfo(np.float32).min) and np.all(go[~seen] == 0)
+
+
+@pytest.mark.parametrize("T,G,D,window,per_head,ring_dtype,fill", [
+    (1, 3, 64, None, True, jnp.float32, 20),  # a SmolLM2 draft token: 16-key integer tiles where the CPU has VNNI
+    (1, 3, 128, None, False, jnp.bfloat16, 40),  # two 64-dim chunks per key, a bf16 ring
+    (5, 2, 64, 300, True, jnp.float32, 64),  # several rows, a window that starts inside the kept part, a full ring
+    (1, 2, 32, None, True, jnp.float32, 0),  # a head size the plain integer loop takes, an empty ring
+    (3, 4, 24, 100, False, jnp.bfloat16, 10),  # neither 16- nor 64-aligned, a short window
+])
+def test_the_ring_call_matches_its_definition(T, G, D, window, per_head, ring_dtype, fill):
+    q, part, ring, q_pos = _case(T, G, D=D, per_head=per_head, ring_dtype=ring_dtype, fill=fill, seed=D + T + fill)
+    _assert_close(_kernel(q, part, ring, q_pos, window), _want(q, part, ring, q_pos, window))
+
+
+@pytest.mark.parametrize("T,G,D,window", [(1, 3, 64, None), (4, 2, 32, 200)])
+def test_the_int8_call_matches_its_definition(T, G, D, window):
+    q, part, _, q_pos = _case(T, G, D=D, seed=3 * D + T)
+    _assert_close(_kernel(q, part, None, q_pos, window), _want(q, part, None, q_pos, window))
+
+
+def test_query_codes_round_to_nearest_even_and_zero_rows_stay_zero():
+    q = jnp.asarray([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
+    codes, s = quantize_query_rows(q)
+    assert codes.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]  # 63.5 -> 64 (even), 31.75 -> 32
+    assert np.allclose(np.asarray(s)[:, 0], [1 / 127, 0])
+
+
+def test_a_row_that_sees_nothing_stays_empty():
+    q, part, ring, q_pos = _case(3, 3, seed=4)
+    q_pos = q_pos.at[0, 0].set(-1)  # padding: no key is at a position <= -1
+    o, m, l = (np.asarray(x) for x in _kernel(q, part, ring, q_pos))
+    assert np.all(o[0, 0] == 0) and np.all(l[0, 0] == 0) and np.all(m[0, 0] == np.finfo(np.float32).min)
+    assert np.all(l[0, 1:] > 0)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows():
+    q, part, ring, q_pos = _case(5, 3, fill=30, seed=6)
+    full = _kernel(q, part, ring, q_pos)
+    for t in (0, 4):
+        alone = _kernel(q[:, t:t + 1], part, ring, q_pos[:, t:t + 1])
+        for a, b in zip(alone, full):
+            assert np.array_equal(np.asarray(a)[:, 0], np.asarray(b)[:, t]), t
+
+
+def test_the_draft_attention_takes_integer_scores_and_stays_close_to_f32_scores(monkeypatch):
+    q, part, ring, q_pos = _case(1, 3, seed=8)
+    f = jax.jit(lambda q, p, r, qp: attn.attention_parts(q, [p, r], qp, implementation="native"))
+    hlo = f.lower(q, part, ring, q_pos).as_text()
+    assert "qscores = 1" in hlo
+    got = f(q, part, ring, q_pos)
+    want = pk.finalize(*_want(q, part, ring, q_pos))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    monkeypatch.setattr(attn, "INT8_QSCORES", False)
+    f32 = jax.jit(lambda q, p, r, qp: attn.attention_parts(q, [p, r], qp, implementation="native"))(q, part, ring,
+                                                                                                   q_pos)
+    # the query's codes move the output by about their own rounding, never by a wrong key or mask
+    err = np.abs(np.asarray(got) - np.asarray(f32)).max() / np.abs(np.asarray(f32)).max()
+    assert 0 < err < 0.02, err
+
+
+@pytest.mark.slow  # compiles the library a second time (~15 s; shared with the other scalar-build tests of the run)
+def test_scalar_build_equals_the_vector_build(tmp_path):
+    handle = scalar_native_library(tmp_path)
+    jax.ffi.register_ffi_target("kvjax_attend_int8_ring_qs_scalar", jax.ffi.pycapsule(handle.KvjaxAttendInt8Ring),
+                                platform="cpu")
+    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16), (2, 3, 128, jnp.float32)]:
+        q, part, (rk, rv, r_pos), q_pos = _case(T, G, D=D, ring_dtype=ring_dtype, seed=D)
+        shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in (q.shape, q.shape[:3], q.shape[:3]))
+        outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, rk,
+                                                 rv, r_pos, window=np.int64(0), scale=np.float32(D**-0.5),
+                                                 block=np.int64(native.default_block(D)), qscores=np.int64(1))
+                for target in (native.INT8_RING_TARGET, "kvjax_attend_int8_ring_qs_scalar")]
+        for a, b in zip(*outs):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D)
