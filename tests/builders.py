@@ -140,6 +140,25 @@ def native_attention_case(T, G, *, K=2, D=32, S=700, lengths=(650, 300), per_hea
     return q, k, v, q_pos, jnp.asarray(k_pos)
 
 
+def int8_ring_case(T, G, *, D=64, K=3, S=700, R=64, fill=20, per_head=True, ring_dtype=jnp.float32, seed=0,
+                   q_scale=1.0):
+    """A draft's two parts for `native.attend_stats_int8_ring`: (q, an `Int8KV` kept part over slots 0..S-31
+    (positions with holes), its ring (k, v, pos) of R slots whose first `fill` hold the positions right after the kept
+    ones, q_pos: the T query rows the last of them)."""
+    from kvjax.cache.draft import Int8KV  # noqa: PLC0415 - only the native tests build draft parts
+
+    q, k, v, _, k_pos = native_attention_case(T, G, K=K, D=D, S=S, lengths=(S - 30,), per_head=per_head, seed=seed,
+                                              q_scale=q_scale)
+    part = Int8KV.quantize(k, v, k_pos)
+    rng = np.random.default_rng(seed + 1)
+    rk = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
+    rv = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
+    start = S - 30
+    r_pos = jnp.asarray(np.where(np.arange(R) < fill, start + np.arange(R), -1)[None], jnp.int32)
+    q_pos = jnp.asarray((start + max(fill, T) - T + np.arange(T))[None], jnp.int32)
+    return q, part, (rk, rv, r_pos), q_pos
+
+
 _scalar_handles: list = []  # the scalar build, compiled once per test process (~15 s each time)
 
 

@@ -4,9 +4,9 @@ its probability.
 
 Against `pallas_kernels.reference.int8_qscores_reference` (its definition) within f32 rounding: SmolLM2's shape
 (the AVX-512 VNNI tiles where the CPU has them) and head sizes that take the plain integer loop, per-head positions,
-windows, rings in f32 and bf16, empty rings and fully masked rows; a row's bits do not depend on the other rows; the
-draft's fused attention takes it (`attention.INT8_QSCORES`) and stays close to the f32 scores; and (slow) the scalar
-build gives the vector build's bits.
+windows, rings in f32 and bf16, empty rings and rows that see nothing (empty rows and row independence:
+`test_native_int8_ring.py`, both ways); the draft's fused attention takes it (`attention.INT8_QSCORES`) and stays close to the f32 scores. (The scalar build's bits: `test_native_int8_ring.py`'s slow test,
+both ways.)
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from builders import native_attention_case, scalar_native_library
+from builders import int8_ring_case
 
 import pallas_kernels as pk
-from kvjax.cache.draft import Int8KV
 from kvjax.models import attention as attn
 from pallas_kernels import native
 from pallas_kernels.reference import int8_qscores_reference, quantize_query_rows
@@ -28,18 +27,9 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native kerne
 TOL = dict(atol=3e-6, rtol=3e-5)
 
 
-def _case(T, G, *, D=64, K=3, S=700, R=64, fill=20, per_head=True, ring_dtype=jnp.float32, seed=0):
-    """Queries, an `Int8KV` kept part over slots 0..S-31 (positions with holes), and a ring of R slots whose first
-    `fill` hold the positions right after the kept ones (the query rows the last of them)."""
-    q, k, v, _, k_pos = native_attention_case(T, G, K=K, D=D, S=S, lengths=(S - 30,), per_head=per_head, seed=seed)
-    part = Int8KV.quantize(k, v, k_pos)
-    rng = np.random.default_rng(seed + 1)
-    rk = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
-    rv = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
-    start = S - 30
-    r_pos = jnp.asarray(np.where(np.arange(R) < fill, start + np.arange(R), -1)[None], jnp.int32)
-    q_pos = jnp.asarray((start + max(fill, T) - T + np.arange(T))[None], jnp.int32)
-    return q * 3.0, part, (rk, rv, r_pos), q_pos
+def _case(T, G, **kw):
+    q, part, ring, q_pos = int8_ring_case(T, G, q_scale=3.0, **kw)  # a peaked softmax: the scores' rounding shows
+    return q, part, ring, q_pos
 
 
 def _kernel(q, part, ring, q_pos, window=None):
@@ -91,23 +81,6 @@ def test_query_codes_round_to_nearest_even_and_zero_rows_stay_zero():
     assert np.allclose(np.asarray(s)[:, 0], [1 / 127, 0])
 
 
-def test_a_row_that_sees_nothing_stays_empty():
-    q, part, ring, q_pos = _case(3, 3, seed=4)
-    q_pos = q_pos.at[0, 0].set(-1)  # padding: no key is at a position <= -1
-    o, m, l = (np.asarray(x) for x in _kernel(q, part, ring, q_pos))
-    assert np.all(o[0, 0] == 0) and np.all(l[0, 0] == 0) and np.all(m[0, 0] == np.finfo(np.float32).min)
-    assert np.all(l[0, 1:] > 0)
-
-
-def test_a_rows_bits_do_not_depend_on_the_other_rows():
-    q, part, ring, q_pos = _case(5, 3, fill=30, seed=6)
-    full = _kernel(q, part, ring, q_pos)
-    for t in (0, 4):
-        alone = _kernel(q[:, t:t + 1], part, ring, q_pos[:, t:t + 1])
-        for a, b in zip(alone, full):
-            assert np.array_equal(np.asarray(a)[:, 0], np.asarray(b)[:, t]), t
-
-
 def test_the_draft_attention_takes_integer_scores_and_stays_close_to_f32_scores(monkeypatch):
     q, part, ring, q_pos = _case(1, 3, seed=8)
     f = jax.jit(lambda q, p, r, qp: attn.attention_parts(q, [p, r], qp, implementation="native"))
@@ -122,19 +95,3 @@ def test_the_draft_attention_takes_integer_scores_and_stays_close_to_f32_scores(
     # the query's codes move the output by about their own rounding, never by a wrong key or mask
     err = np.abs(np.asarray(got) - np.asarray(f32)).max() / np.abs(np.asarray(f32)).max()
     assert 0 < err < 0.02, err
-
-
-@pytest.mark.slow  # compiles the library a second time (~15 s; shared with the other scalar-build tests of the run)
-def test_scalar_build_equals_the_vector_build(tmp_path):
-    handle = scalar_native_library(tmp_path)
-    jax.ffi.register_ffi_target("kvjax_attend_int8_ring_qs_scalar", jax.ffi.pycapsule(handle.KvjaxAttendInt8Ring),
-                                platform="cpu")
-    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16), (2, 3, 128, jnp.float32)]:
-        q, part, (rk, rv, r_pos), q_pos = _case(T, G, D=D, ring_dtype=ring_dtype, seed=D)
-        shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in (q.shape, q.shape[:3], q.shape[:3]))
-        outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, rk,
-                                                 rv, r_pos, window=np.int64(0), scale=np.float32(D**-0.5),
-                                                 block=np.int64(native.default_block(D)), qscores=np.int64(1))
-                for target in (native.INT8_RING_TARGET, "kvjax_attend_int8_ring_qs_scalar")]
-        for a, b in zip(*outs):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D)

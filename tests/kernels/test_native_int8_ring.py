@@ -2,9 +2,10 @@
 codes with per-slot scales and its recent ring in f32 or bf16, their statistics merged inside the call.
 
 Against the two parts attended apart and `combine`d (what the draft did before): equal up to f32 rounding, with
-per-head positions, windows, an empty ring, bf16 rings and fully masked rows; a row's bits do not depend on the other
-rows in the call; `attention_parts` takes the one call for exactly these parts; bad inputs are refused with a reason;
-and (slow) the scalar build gives the vector build's bits.
+per-head positions, windows, an empty ring, bf16 rings and fully masked rows. With f32 scores and with the int8 codes
+read as integers (`test_native_int8_qscores.py`): a row's bits do not depend on the other rows in the call, a row that
+sees nothing stays empty, and (slow) the scalar build gives the vector build's bits. `attention_parts` takes the one
+call for exactly these parts; bad inputs are refused with a reason.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from builders import native_attention_case, scalar_native_library
+from builders import int8_ring_case, scalar_native_library
 
 import pallas_kernels as pk
-from kvjax.cache.draft import Int8KV
 from kvjax.models import attention as attn
 from pallas_kernels import native
 
@@ -25,23 +25,13 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native kerne
 TOL = dict(atol=2e-6, rtol=2e-5)
 
 
-def _case(T, G, *, D=64, K=3, S=700, R=64, fill=20, per_head=True, ring_dtype=jnp.float32, seed=0):
-    """Queries, an `Int8KV` kept part over slots 0..S-31 (positions with holes), and a ring of R slots whose first
-    `fill` hold the positions right after the kept ones (the query rows the last of them)."""
-    q, k, v, _, k_pos = native_attention_case(T, G, K=K, D=D, S=S, lengths=(S - 30,), per_head=per_head, seed=seed)
-    part = Int8KV.quantize(k, v, k_pos)
-    rng = np.random.default_rng(seed + 1)
-    rk = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
-    rv = jnp.asarray(rng.normal(size=(1, K, R, D)), ring_dtype)
-    start = S - 30
-    r_pos = jnp.asarray(np.where(np.arange(R) < fill, start + np.arange(R), -1)[None], jnp.int32)
-    q_pos = jnp.asarray((start + max(fill, T) - T + np.arange(T))[None], jnp.int32)
-    return q, part, (rk, rv, r_pos), q_pos
+_case = int8_ring_case
 
 
-def _fused(q, part, ring, q_pos, window=None):
+def _fused(q, part, ring, q_pos, window=None, qscores=False):
     return jax.jit(lambda q, p, r, qp: native.attend_stats_int8_ring(q, p.k, p.v, p.k_scale, p.v_scale, qp, p.pos, *r,
-                                                                     window=window))(q, part, ring, q_pos)
+                                                                     window=window, qscores=qscores))(q, part, ring,
+                                                                                                      q_pos)
 
 
 def _apart(q, part, ring, q_pos, window=None):
@@ -67,19 +57,21 @@ def test_one_call_equals_the_two_parts_combined(T, G, D, window, per_head, ring_
     np.testing.assert_allclose(np.asarray(pk.finalize(*got)), np.asarray(pk.finalize(*want)), **TOL)
 
 
-def test_a_row_that_sees_nothing_stays_empty():
+@pytest.mark.parametrize("qscores", [False, True])  # f32 scores, or the int8 codes read as integers
+def test_a_row_that_sees_nothing_stays_empty(qscores):
     q, part, ring, q_pos = _case(3, 3, seed=4)
     q_pos = q_pos.at[0, 0].set(-1)  # padding: no key is at a position <= -1
-    o, m, l = (np.asarray(x) for x in _fused(q, part, ring, q_pos))
+    o, m, l = (np.asarray(x) for x in _fused(q, part, ring, q_pos, qscores=qscores))
     assert np.all(o[0, 0] == 0) and np.all(l[0, 0] == 0) and np.all(m[0, 0] == np.finfo(np.float32).min)
     assert np.all(l[0, 1:] > 0)
 
 
-def test_a_rows_bits_do_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("qscores", [False, True])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(qscores):
     q, part, ring, q_pos = _case(5, 3, fill=30, seed=6)
-    full = _fused(q, part, ring, q_pos)
+    full = _fused(q, part, ring, q_pos, qscores=qscores)
     for t in (0, 4):
-        alone = _fused(q[:, t:t + 1], part, ring, q_pos[:, t:t + 1])
+        alone = _fused(q[:, t:t + 1], part, ring, q_pos[:, t:t + 1], qscores=qscores)
         for a, b in zip(alone, full):
             assert np.array_equal(np.asarray(a)[:, 0], np.asarray(b)[:, t]), t
 
@@ -114,16 +106,17 @@ def test_bad_inputs_are_refused_with_reasons():
 
 
 @pytest.mark.slow  # compiles the library a second time (~15 s; shared with the other scalar-build tests of the run)
-def test_scalar_build_equals_the_vector_build(tmp_path):
+@pytest.mark.parametrize("qscores", [0, 1])  # f32 scores, or the int8 codes read as integers (VNNI tiles at D = 64, 128)
+def test_scalar_build_equals_the_vector_build(tmp_path, qscores):
     handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_attend_int8_ring_scalar", jax.ffi.pycapsule(handle.KvjaxAttendInt8Ring),
                                 platform="cpu")
-    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16)]:
+    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16), (2, 3, 128, jnp.float32)]:
         q, part, (rk, rv, r_pos), q_pos = _case(T, G, D=D, ring_dtype=ring_dtype, seed=D)
         shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in (q.shape, q.shape[:3], q.shape[:3]))
         outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, rk,
                                                  rv, r_pos, window=np.int64(0), scale=np.float32(D**-0.5),
-                                                 block=np.int64(native.default_block(D)), qscores=np.int64(0))
+                                                 block=np.int64(native.default_block(D)), qscores=np.int64(qscores))
                 for target in (native.INT8_RING_TARGET, "kvjax_attend_int8_ring_scalar")]
         for a, b in zip(*outs):
             assert np.array_equal(np.asarray(a), np.asarray(b)), (T, G, D)
