@@ -4,9 +4,9 @@ its probability.
 
 Against `pallas_kernels.reference.int8_qscores_reference` (its definition) within f32 rounding: SmolLM2's shape
 (the AVX-512 VNNI tiles where the CPU has them) and head sizes that take the plain integer loop, per-head positions,
-windows, rings in f32 and bf16, empty rings and rows that see nothing (empty rows and row independence:
-`test_native_int8_ring.py`, both ways); the draft's fused attention takes it (`attention.INT8_QSCORES`) and stays close to the f32 scores. (The scalar build's bits: `test_native_int8_ring.py`'s slow test,
-both ways.)
+windows, rings in f32 and bf16, empty rings and rows that see nothing; the draft's fused attention takes it
+(`attention.INT8_QSCORES`) and stays close to the f32 scores. Row independence, empty rows and the scalar build's bits
+(slow) are `test_native_int8_ring.py`'s tests, run both ways.
 """
 
 from __future__ import annotations
