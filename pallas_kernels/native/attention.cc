@@ -1050,7 +1050,25 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     int32_t mn = INT32_MAX, mx = -1;
     const int64_t j1 = std::min(S, (i + 1) * BK);
     int64_t occupied = 0, last = i * BK - 1;
-    for (int64_t j = i * BK; j < j1; ++j) {
+    int64_t j = i * BK;
+#if KVJAX_AVX512
+    // 16 positions at a time: a draft's call scans every kept slot's position once per unit (SmolLM2's draft token at
+    // 8K in VeriCache rounds, interleaved: 0.967x and 0.982x the time of the one-slot loop below)
+    __m512i vmn = _mm512_set1_epi32(INT32_MAX), vmx = _mm512_set1_epi32(-1);
+    for (; j + 16 <= j1; j += 16) {
+      const __m512i p = _mm512_loadu_si512(kp + j);
+      const __mmask16 ok = _mm512_cmpge_epi32_mask(p, _mm512_setzero_si512());
+      vmn = _mm512_mask_min_epi32(vmn, ok, vmn, p);
+      vmx = _mm512_mask_max_epi32(vmx, ok, vmx, p);
+      if (ok) {
+        occupied += __builtin_popcount(ok);
+        last = j + 31 - __builtin_clz(static_cast<unsigned>(ok));
+      }
+    }
+    mn = _mm512_reduce_min_epi32(vmn);
+    mx = _mm512_reduce_max_epi32(vmx);
+#endif
+    for (; j < j1; ++j) {
       const int32_t p = kp[j];
       if (p >= 0) {
         mn = std::min(mn, p);
