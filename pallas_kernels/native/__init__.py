@@ -257,10 +257,10 @@ def attend_stats_int8(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=None, s
     widened and multiplied by its slot's scale in registers (the one f32 product of that dequantisation), so the
     statistics are bit for bit `attend_stats` over the dequantised f32 arrays.
 
-    With `qscores`, the codes are read as integers instead (`reference_int8_qscores` gives the arithmetic): each
-    query row is quantised to int8 codes per head, a score is the exact integer dot product of the two codes times
-    the row's and the key's scales, and each value's scale multiplies its probability rather than the value -- a
-    draft's attention, lossy anyway, at a fraction of the instructions per key.
+    With `qscores`, the codes are read as integers instead (`pallas_kernels.reference.int8_qscores_reference` defines
+    the arithmetic): each query row is quantised to int8 codes per head, a score is the exact integer dot product of
+    the two codes times the row's and the key's scales, and each value's scale multiplies its probability rather than
+    the value -- a draft's attention, lossy anyway, at a fraction of the instructions per key.
 
     Args:
         q: [B, T, N, D]; k, v: int8[B, K, S, D]; k_scale, v_scale: f32[B, K, S]; q_pos, k_pos, window, scale, block:

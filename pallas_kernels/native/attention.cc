@@ -111,8 +111,8 @@ struct Problem {
   int64_t window;
   float scale;
   int64_t block;
-  // int8 codes only: keys scored by integer dot products with each row's query as int8 codes, and each value's scale
-  // multiplied into the probability instead of the value (`IntScoreBlock`, `ScaledProbabilities`)
+  // int8 codes only: keys scored by integer dot products with each row's query as int8 codes (`IntScoreBlock`), and
+  // each value's scale multiplied into its probability instead of into the value (`BlockRows`' step 3)
   bool qscores = false;
   // kvjax_attend_mass: the block masses of the query rows mass_rows[0..n_mass) (distinct t in [0, T)) over groups of
   // mass_block keys (`groups` per KV head), from each block's probabilities as the online softmax computes them:
@@ -756,7 +756,7 @@ inline void QuantizeRow(const float* q, int64_t D, float scale, int8_t* q8, floa
   *corr = 128 * sum;
 }
 
-// Score of one row against one key from its integer dot product, masked as the float path masks.
+// A row's score for one key from their integer dot product (unmasked; `IntScoreBlock` masks it).
 inline float IntScore(const int8_t* q8, const int8_t* kr, int64_t D, float rs, float ks) {
   int32_t acc = 0;
   for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(q8[d]) * static_cast<int32_t>(kr[d]);
@@ -838,7 +838,7 @@ __attribute__((noinline)) void IntScoreTile(const Rows& R_, const int64_t* act, 
       vis[r] |= ok != 0;
     }
     _mm512_storeu_ps(s[r], sv);
-    const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(sv), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sv), 1)));
+    const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(sv), _mm512_extractf32x8_ps(sv, 1));  // a max: any order
     _mm256_storeu_ps(rmax + 8 * r, _mm256_max_ps(_mm256_loadu_ps(rmax + 8 * r), m8));
   }
 }
@@ -1102,7 +1102,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     R.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, low));
     R.q[r] = P.q + ((b * P.T + t) * P.N + h * G + g) * D;
   }
-  if (std::is_same_v<T, int8_t> && P.qscores) {
+  if (std::is_same_v<T, int8_t> && P.qscores) {  // each row's query as int8 codes, once per unit
     R.q8.resize(NR * D);
     R.qrs.resize(NR);
     R.qcorr.resize(NR);
