@@ -38,21 +38,32 @@ def masked_softmax_attention(q, k, v, vis, *, scale=None, sinks=None, return_sta
         s = jnp.einsum("BTKGD,BKSD->BKGTS", qg, kf, precision=hp) * scale
     else:
         s = jnp.einsum("BTKGD,BKTSD->BKGTS", qg, kf, precision=hp) * scale
-    mask = vis[:, :, None]  # [B, K|1, 1, T, S]
-    s = jnp.where(mask, s, osm.MASK_VALUE)
-    m = jnp.max(s, axis=-1)  # [B, K, G, T]
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
+    p, m, l = _softmax_parts(s, vis[:, :, None])  # mask [B, K|1, 1, T, S]
     if v.ndim == 4:
         o = jnp.einsum("BKGTS,BKSD->BTKGD", p, vf, precision=hp)
     else:
         o = jnp.einsum("BKGTS,BKTSD->BTKGD", p, vf, precision=hp)
-    o = o.reshape(B, T, N, D)
+    return _rows_out(o.reshape(B, T, N, D), m, l, q.dtype, sinks, return_stats)
+
+
+def _softmax_parts(s, mask):
+    """(p, m, l) of scores s [B, K, G, T, S] under a visibility mask broadcastable to it: m the row max of the
+    visible scores (MASK_VALUE where none), p = exp(s - m) where visible else 0, l its row sum."""
+    s = jnp.where(mask, s, osm.MASK_VALUE)
+    m = jnp.max(s, axis=-1)  # [B, K, G, T]
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    return p, m, jnp.sum(p, axis=-1)
+
+
+def _rows_out(o, m, l, dtype, sinks, return_stats):
+    """o [B, T, N, D] with m, l [B, K, G, T] as the references return them: the statistics, or the normalised
+    output in `dtype`."""
+    B, T, N, _ = o.shape
     m = jnp.transpose(m, (0, 3, 1, 2)).reshape(B, T, N)
     l = jnp.transpose(l, (0, 3, 1, 2)).reshape(B, T, N)
     if return_stats:
         return o, m, l
-    return osm.finalize(o, m, l, sinks).astype(q.dtype)
+    return osm.finalize(o, m, l, sinks).astype(dtype)
 
 
 def position_visible(q_pos, k_pos, window=None):
@@ -167,13 +178,6 @@ def int8_qscores_reference(q, k, v, k_scale, v_scale, q_pos, k_pos, *, window=No
         vals = jnp.concatenate([vals, jnp.broadcast_to(rv.astype(jnp.float32)[:, :, None], (B, K, G, *rv.shape[2:]))],
                                -2)
         pscale = jnp.concatenate([pscale, jnp.ones(s2.shape, jnp.float32)], -1)
-    s = jnp.where(vis, s, osm.MASK_VALUE)
-    m = jnp.max(s, axis=-1)  # [B, K, G, T]
-    p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
+    p, m, l = _softmax_parts(s, vis)
     o = jnp.einsum("BKGTS,BKGSD->BTKGD", p * pscale, vals, precision=hp).reshape(B, T, N, D)
-    m = jnp.transpose(m, (0, 3, 1, 2)).reshape(B, T, N)
-    l = jnp.transpose(l, (0, 3, 1, 2)).reshape(B, T, N)
-    if return_stats:
-        return o, m, l
-    return osm.finalize(o, m, l).astype(q.dtype)
+    return _rows_out(o, m, l, q.dtype, None, return_stats)

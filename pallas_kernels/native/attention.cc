@@ -285,6 +285,33 @@ inline float Value(const T* p, const float* sc, int64_t j) {
   return Widen(*p);
 }
 
+#if KVJAX_AVX512
+// The 16 x 16 transpose of r (r[i]: row i's 16 lanes): column c (lane c of every row) stored at out + c * ld. Data
+// movement only; inlined into both transposes' loops, as it was written there before.
+__attribute__((always_inline)) inline void Transpose16x16(const __m512* r, float* out, int64_t ld) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 interleaved at columns 4L, 4L+1 / 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: rows 4g..4g+3 at column 4L + c
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane g of it is lane L of u[4g + c]
+    const __m512 a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 a2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 b2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    _mm512_storeu_ps(out + c * ld, _mm512_shuffle_f32x4(a, a2, 0x88));         // column c
+    _mm512_storeu_ps(out + (4 + c) * ld, _mm512_shuffle_f32x4(b, b2, 0x88));   // column 4 + c
+    _mm512_storeu_ps(out + (8 + c) * ld, _mm512_shuffle_f32x4(a, a2, 0xDD));   // column 8 + c
+    _mm512_storeu_ps(out + (12 + c) * ld, _mm512_shuffle_f32x4(b, b2, 0xDD));  // column 12 + c
+  }
+}
+#endif
+
 // Transposes keys [0, n) (kb: n x D, f32, bf16 or int8 codes with scales ks) into kT[d * ld + j] as f32,
 // zero-padding columns [n, ld); issues two lines of `pf` per 16 x 16 step (measured: 0.97-0.98x the time of a
 // decode row's attention without, whose transposition is a large part of its work).
@@ -302,31 +329,12 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
       const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         pf.Lines(2);
-        __m512 r[16], t[16], u[16];
+        __m512 r[16];
         for (int i = 0; i < 16; ++i) {
           r[i] = Load16(k0 + i * D + d0);  // key j + i's values of d0..d0+15
           if constexpr (std::is_same_v<T, int8_t>) r[i] = _mm512_mul_ps(r[i], _mm512_set1_ps(ks[j + i]));
         }
-        for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 interleaved at columns 4L, 4L+1 / 4L+2, 4L+3
-          t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: rows 4g..4g+3 at column 4L + c
-          u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
-          u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
-          u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
-          u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-        for (int c = 0; c < 4; ++c) {  // column 4L + c: lane g of it is lane L of u[4g + c]
-          const __m512 a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-          const __m512 a2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-          const __m512 b2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-          float* out = kT + (d0 + c) * ld + j;
-          _mm512_storeu_ps(out, _mm512_shuffle_f32x4(a, a2, 0x88));               // column c
-          _mm512_storeu_ps(out + 4 * ld, _mm512_shuffle_f32x4(b, b2, 0x88));      // column 4 + c
-          _mm512_storeu_ps(out + 8 * ld, _mm512_shuffle_f32x4(a, a2, 0xDD));      // column 8 + c
-          _mm512_storeu_ps(out + 12 * ld, _mm512_shuffle_f32x4(b, b2, 0xDD));     // column 12 + c
-        }
+        Transpose16x16(r, kT + d0 * ld + j, ld);
       }
     }
   }
@@ -737,6 +745,18 @@ struct PVRowsF {
 constexpr int64_t kRowTile = 6;
 #endif
 
+// ------------------------------------------------------------------------------------------------ scoring a block
+// Key j's score sv for row `row` (the chunk's a-th active row), as the vector tiles leave it: masked to -inf where
+// the row cannot see the key, stored, folded into the row's lane j % 8 maximum and its visibility.
+inline void StoreScore(const Problem& P, const Rows& R, Scratch& W, int64_t a, int64_t row, int64_t j, float sv) {
+  const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
+  if (!ok) sv = -INFINITY;
+  W.vis[a] |= ok;
+  W.s[a * P.block + j] = sv;
+  float& mx = W.rmax[8 * a + j % 8];
+  mx = mx > sv ? mx : sv;  // _mm256_max_ps(mx, sv)
+}
+
 // ------------------------------------------------------------------------------------------------ integer scores
 // A row's query as int8 codes for integer scores (qscores): amax = max |q|, codes round(q * (127 / amax)) (nearest,
 // ties to even), the row's factor (amax / 127) * scale. A key's score is then ((float)(codes . key codes) * factor) *
@@ -770,29 +790,10 @@ inline float IntScore(const int8_t* q8, const int8_t* kr, int64_t D, float rs, f
 inline void TransposeCodes16(const int8_t* k0, int64_t D, int32_t* kq) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(-128));
   for (int64_t c = 0; c < D / 64; ++c) {
-    __m512 r[16], t[16], u[16];
+    __m512 r[16];
     for (int i = 0; i < 16; ++i)
       r[i] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512(k0 + i * D + 64 * c), flip));
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; ++g) {
-      u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
-      u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
-      u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    float* out = reinterpret_cast<float*>(kq + c * 256);
-    for (int cc = 0; cc < 4; ++cc) {
-      const __m512 a = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0x88), b = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0xDD);
-      const __m512 a2 = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0x88);
-      const __m512 b2 = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0xDD);
-      _mm512_storeu_ps(out + cc * 16, _mm512_shuffle_f32x4(a, a2, 0x88));
-      _mm512_storeu_ps(out + (4 + cc) * 16, _mm512_shuffle_f32x4(b, b2, 0x88));
-      _mm512_storeu_ps(out + (8 + cc) * 16, _mm512_shuffle_f32x4(a, a2, 0xDD));
-      _mm512_storeu_ps(out + (12 + cc) * 16, _mm512_shuffle_f32x4(b, b2, 0xDD));
-    }
+    Transpose16x16(r, reinterpret_cast<float*>(kq + c * 256), 16);
   }
 }
 
@@ -855,7 +856,7 @@ struct IntScoreF {
 // the rows' lane maxima and visibility as the float path leaves them.
 inline void IntScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int64_t na, Scratch& W,
                           const Block<int8_t>& blk, Prefetch& next) {
-  const int64_t D = P.D, n = blk.n, npad = blk.npad, BK = P.block;
+  const int64_t D = P.D, n = blk.n, npad = blk.npad;
   int64_t j = 0;
 #if KVJAX_ATT_VNNI
   if (D % 64 == 0) {
@@ -867,7 +868,7 @@ inline void IntScoreBlock(const Problem& P, const Rows& R, const int64_t* act, i
       for (int64_t a0 = 0; a0 < na; a0 += kRowTile) {
         const int64_t rt = std::min(kRowTile, na - a0);
         float* s[kRowTile];
-        for (int64_t r = 0; r < rt; ++r) s[r] = W.s.data() + (a0 + r) * BK + j;
+        for (int64_t r = 0; r < rt; ++r) s[r] = W.s.data() + (a0 + r) * P.block + j;
         ByRows<IntScoreF>(rt, R, act, a0, W.kq.data(), D, blk.ks + j, W.kp.data() + j, W.full.data() + a0, s,
                           W.rmax.data() + 8 * a0, W.vis.data() + a0);
       }
@@ -879,17 +880,48 @@ inline void IntScoreBlock(const Problem& P, const Rows& R, const int64_t* act, i
   for (int64_t a = 0; a < na; ++a) {
     const int64_t row = act[a];
     const int8_t* q8 = R.q8.data() + row * D;
-    float* s = W.s.data() + a * BK;
-    float* mx = W.rmax.data() + 8 * a;
-    for (int64_t jj = j; jj < npad; ++jj) {  // keys past n score 0 (the float path's zero padding), then masked
-      const float v = jj < n ? IntScore(q8, blk.k + jj * D, D, R.qrs[row], blk.ks[jj]) : 0.0f;
-      const bool ok = W.kp[jj] >= R.lo[row] && W.kp[jj] <= R.hi[row];
-      const float sv = ok ? v : -INFINITY;
-      W.vis[a] |= ok;
-      s[jj] = sv;
-      mx[jj % 8] = mx[jj % 8] > sv ? mx[jj % 8] : sv;
+    for (int64_t jj = j; jj < npad; ++jj)  // keys past n score 0 (the float path's zero padding), then masked
+      StoreScore(P, R, W, a, row, jj, jj < n ? IntScore(q8, blk.k + jj * D, D, R.qrs[row], blk.ks[jj]) : 0.0f);
+  }
+}
+
+// Step 1 of BlockRows: every active row's scores against the block, masked, with its 8 lane maxima and whether it
+// sees a key -- a panel of keys, transposed into L1, against every row tile of the chunk.
+template <typename T>
+inline void ScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int64_t na, Scratch& W,
+                       const Block<T>& blk, Prefetch& next) {
+  const int64_t D = P.D, n = blk.n, npad = blk.npad;
+#if KVJAX_AVX2
+  const __m256 sc = _mm256_set1_ps(P.scale);
+  const int64_t PK = PanelKeys(D, na), ntiles = (na + kRowTile - 1) / kRowTile;
+  for (int64_t j0 = 0; j0 < npad; j0 += PK) {
+    const int64_t ld = std::min(PK, npad - j0);
+    TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
+                   W.kT.data(), next);
+    // each row tile issues its share of a panel's bytes of the next block's keys and values, a few lines per step
+    // over d
+    const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
+    W.pf = &next;
+    W.pf_lines = (lines + D - 2) / std::max<int64_t>(D - 1, 1);
+    for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
+      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
+  }
+#else
+  (void)next;
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t row = act[a];
+    const float* q = R.q[row];
+    for (int64_t j = 0; j < npad; ++j) {  // keys past n score 0 (the vector path's zero padding), then masked
+      float acc = 0.0f;
+      if (j < n) {
+        const T* kr = blk.k + j * D;
+        acc = q[0] * Value(kr, blk.ks, j);
+        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Value(kr + d, blk.ks, j), acc);
+      }
+      StoreScore(P, R, W, a, row, j, acc * P.scale);
     }
   }
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------ one key block
@@ -909,54 +941,15 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const int64_t r = act[a];
     W.full[a] = blk.dense && R.lo[r] <= blk.pmin && blk.pmax <= R.hi[r];
   }
-  // 1. scores, masked, with lane maxima: a panel of keys, transposed into L1, against every row tile of the chunk
-  // (int8 codes under qscores: integer dot products instead)
-  bool scored = false;
+  // 1. scores, masked, with lane maxima (int8 codes under qscores: integer dot products)
   if constexpr (std::is_same_v<T, int8_t>) {
-    if (P.qscores) {
+    if (P.qscores)
       IntScoreBlock(P, R, act, na, W, blk, next);
-      scored = true;
-    }
+    else
+      ScoreBlock(P, R, act, na, W, blk, next);
+  } else {
+    ScoreBlock(P, R, act, na, W, blk, next);
   }
-#if KVJAX_AVX2
-  if (!scored) {
-  const __m256 sc = _mm256_set1_ps(P.scale);
-  const int64_t PK = PanelKeys(D, na), ntiles = (na + kRowTile - 1) / kRowTile;
-  for (int64_t j0 = 0; j0 < npad; j0 += PK) {
-    const int64_t ld = std::min(PK, npad - j0);
-    TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
-                   W.kT.data(), next);
-    // each row tile issues its share of a panel's bytes of the next block's keys and values, a few lines per step
-    // over d
-    const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
-    W.pf = &next;
-    W.pf_lines = (lines + D - 2) / std::max<int64_t>(D - 1, 1);
-    for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
-      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
-  }
-  }
-#else
-  (void)next;
-  for (int64_t a = 0; !scored && a < na; ++a) {
-    const int64_t row = act[a];
-    const float* q = R.q[row];
-    float* s = W.s.data() + a * BK;
-    float* mx = W.rmax.data() + 8 * a;
-    for (int64_t j = 0; j < npad; ++j) {  // keys past n score 0 (the vector path's zero padding), then masked
-      float acc = 0.0f;
-      if (j < n) {
-        const T* kr = blk.k + j * D;
-        acc = q[0] * Value(kr, blk.ks, j);
-        for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Value(kr + d, blk.ks, j), acc);
-      }
-      const bool ok = W.kp[j] >= R.lo[row] && W.kp[j] <= R.hi[row];
-      const float sv = ok ? acc * P.scale : -INFINITY;
-      W.vis[a] |= ok;
-      s[j] = sv;
-      mx[j % 8] = mx[j % 8] > sv ? mx[j % 8] : sv;  // _mm256_max_ps(mx, sv)
-    }
-  }
-#endif
   // 2. per row: the online-softmax update (exponentials and their sum over the padded block)
   for (int64_t a = 0; a < na; ++a) {
     const int64_t r = act[a];
@@ -1468,77 +1461,49 @@ void SolveParts(ffi::ThreadPool& xla_pool, const Problem* parts, int nparts) {
   pool.Run(n, [&](int64_t u) { MergeSegments(P0, nseg, po.data(), pm.data(), pl.data(), u * Q / n, (u + 1) * Q / n); });
 }
 
+// ------------------------------------------------------------------------------------------------ bindings
+// The entry points' FFI signatures share their runs of arguments, built once here, in each handler's argument order.
+// The thread pool, q f32[B, T, N, D], then k and v (f32 or bf16, or int8 codes).
+auto BindQKV() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>();
+}
+// BindQKV for int8 codes: then k_scale and v_scale f32[B, K, S].
+auto BindInt8QKV() { return BindQKV().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>(); }
+// Then q_pos and k_pos.
+template <typename B>
+auto Positions(B b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>();
+}
+// Then the statistics o, m, l.
+template <typename B>
+auto Stats(B b) {
+  using Out = ffi::Buffer<ffi::F32>;
+  return std::move(b).template Ret<Out>().template Ret<Out>().template Ret<Out>();
+}
+// Then kernel 0's attributes.
+template <typename B>
+auto Attrs(B b) {
+  return std::move(b).template Attr<int64_t>("window").template Attr<float>("scale").template Attr<int64_t>("block");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()  // k: f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()  // v: k's dtype
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttend, AttendImpl, Attrs(Stats(Positions(BindQKV()))));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8, AttendInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()  // k: int8 codes
-                                  .Arg<ffi::AnyBuffer>()  // v: int8 codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("qscores"));
+                              Attrs(Stats(Positions(BindInt8QKV()))).Attr<int64_t>("qscores"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8Ring, AttendInt8RingImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()  // k: int8 codes
-                                  .Arg<ffi::AnyBuffer>()  // v: int8 codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // the ring's k: f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()  // the ring's v: its k's dtype
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block")
+                              Attrs(Stats(Positions(BindInt8QKV())
+                                              .Arg<ffi::AnyBuffer>()  // the ring's k: f32 or bf16
+                                              .Arg<ffi::AnyBuffer>()  // the ring's v: its k's dtype
+                                              .Arg<ffi::Buffer<ffi::S32>>()))  // the ring's positions
                                   .Attr<int64_t>("qscores"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendMass, AttendMassImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()  // k: f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()  // v: k's dtype
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // mass f32[B, K, ceil(S / mass_block)]
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block")
+                              Attrs(Stats(Positions(BindQKV()))
+                                        .Ret<ffi::Buffer<ffi::F32>>())  // mass f32[B, K, ceil(S / mass_block)]
                                   .Attr<int64_t>("mass_block")
                                   .Attr<ffi::Span<const int64_t>>("mass_rows"));
 
