@@ -785,14 +785,22 @@ inline float IntScore(const int8_t* q8, const int8_t* kr, int64_t D, float rs, f
 
 #if KVJAX_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVJAX_ATT_VNNI 1
-// 16 keys' codes (k0: 16 x D, D % 64 == 0), each byte + 128 (unsigned, as vpdpbusd reads them), as dwords
-// transposed: kq[c * 256 + g * 16 + i] holds key i's dims 64c + 4g .. 64c + 4g + 3.
+// 16 keys' codes (k0: 16 x D, D % 32 == 0), each byte + 128 (unsigned, as vpdpbusd reads them), as dwords
+// transposed: kq[g * 16 + i] holds key i's dims 4g .. 4g + 3 (kq holds 256 dwords per 64 dims, a last 32 as 64 whose
+// upper half is zero).
 inline void TransposeCodes16(const int8_t* k0, int64_t D, int32_t* kq) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(-128));
-  for (int64_t c = 0; c < D / 64; ++c) {
+  for (int64_t c = 0; c * 64 < D; ++c) {
     __m512 r[16];
-    for (int i = 0; i < 16; ++i)
-      r[i] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512(k0 + i * D + 64 * c), flip));
+    if (D - 64 * c >= 64) {
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512(k0 + i * D + 64 * c), flip));
+    } else {  // 32 dims: the upper 8 dwords of each row, and so rows 8-15 of the transpose, are zero (not read)
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_castsi512_ps(_mm512_zextsi256_si512(
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * D + 64 * c)),
+                             _mm512_castsi512_si256(flip))));
+    }
     Transpose16x16(r, reinterpret_cast<float*>(kq + c * 256), 16);
   }
 }
@@ -810,14 +818,14 @@ __attribute__((noinline)) void IntScoreTile(const Rows& R_, const int64_t* act, 
     q8[r] = R_.q8.data() + act[a0 + r] * D;
     acc[r] = _mm512_setzero_si512();
   }
-  for (int64_t c = 0; c < D / 64; ++c) {
+  for (int64_t c = 0; c < D / 32; ++c) {  // 8 dword groups of 4 dims each
     KVJAX_UNROLL
-    for (int g = 0; g < 16; ++g) {
-      const __m512i kv = _mm512_loadu_si512(kq + c * 256 + g * 16);
+    for (int g = 0; g < 8; ++g) {
+      const __m512i kv = _mm512_loadu_si512(kq + (8 * c + g) * 16);
       KVJAX_UNROLL
       for (int r = 0; r < R; ++r) {
         int32_t qd;
-        std::memcpy(&qd, q8[r] + 64 * c + 4 * g, 4);
+        std::memcpy(&qd, q8[r] + 32 * c + 4 * g, 4);
         acc[r] = _mm512_dpbusd_epi32(acc[r], kv, _mm512_set1_epi32(qd));
       }
     }
@@ -859,8 +867,8 @@ inline void IntScoreBlock(const Problem& P, const Rows& R, const int64_t* act, i
   const int64_t D = P.D, n = blk.n, npad = blk.npad;
   int64_t j = 0;
 #if KVJAX_ATT_VNNI
-  if (D % 64 == 0) {
-    W.kq.resize(4 * D);
+  if (D % 32 == 0) {
+    W.kq.resize(256 * ((D + 63) / 64));
     const int64_t lines = (16 * D * 2 + 63) / 64;  // this group's share of the next block's keys and values
     for (; j + 16 <= n; j += 16) {
       next.Lines(lines);

@@ -1,12 +1,12 @@
-"""int8 codes read as integers (`native.attend_stats_int8(..., qscores=True)` and the ring call's): a draft's kept
-keys scored by exact integer dot products with each query row's int8 codes, and each value's scale multiplied into
-its probability.
+"""int8 codes read as integers (`native.attend_stats_int8(..., qscores=True)` and the ring call's): a draft's kept keys
+scored by exact integer dot products with each query row's int8 codes, and each value's scale multiplied into its
+probability.
 
-Against `pallas_kernels.reference.int8_qscores_reference` (its definition) within f32 rounding: SmolLM2's shape
-(the AVX-512 VNNI tiles where the CPU has them) and head sizes that take the plain integer loop, per-head positions,
-windows, rings in f32 and bf16, empty rings and rows that see nothing; the draft's fused attention takes it
-(`attention.INT8_QSCORES`) and stays close to the f32 scores. Row independence, empty rows and the scalar build's bits
-(slow) are `test_native_int8_ring.py`'s tests, run both ways.
+Against `pallas_kernels.reference.int8_qscores_reference` (its definition) within f32 rounding: SmolLM2's shape and
+the bundled model's (the AVX-512 VNNI tiles where the CPU has them: head sizes that are multiples of 32) and head
+sizes that take the plain integer loop, per-head positions, windows, rings in f32 and bf16, empty rings and rows that
+see nothing; the draft's fused attention takes it (`attention.INT8_QSCORES`) and stays close to the f32 scores. Row
+independence, empty rows and the scalar build's bits (slow) are `test_native_int8_ring.py`'s tests, run both ways.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _assert_close(got, want):
     (1, 3, 64, None, True, jnp.float32, 20),  # a SmolLM2 draft token: 16-key integer tiles where the CPU has VNNI
     (1, 3, 128, None, False, jnp.bfloat16, 40),  # two 64-dim chunks per key, a bf16 ring
     (5, 2, 64, 300, True, jnp.float32, 64),  # several rows, a window that starts inside the kept part, a full ring
-    (1, 2, 32, None, True, jnp.float32, 0),  # a head size the plain integer loop takes, an empty ring
+    (1, 2, 32, None, True, jnp.float32, 0),  # the bundled model's head size: half a 64-dim chunk, an empty ring
+    (2, 2, 96, None, False, jnp.float32, 5),  # a 64-dim chunk and a 32-dim one per key
     (3, 4, 24, 100, False, jnp.bfloat16, 10),  # neither 16- nor 64-aligned, a short window
 ])
 def test_the_ring_call_matches_its_definition(T, G, D, window, per_head, ring_dtype, fill):

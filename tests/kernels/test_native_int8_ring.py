@@ -106,12 +106,13 @@ def test_bad_inputs_are_refused_with_reasons():
 
 
 @pytest.mark.slow  # compiles the library a second time (~15 s; shared with the other scalar-build tests of the run)
-@pytest.mark.parametrize("qscores", [0, 1])  # f32 scores, or the int8 codes read as integers (VNNI tiles at D = 64, 128)
+@pytest.mark.parametrize("qscores", [0, 1])  # f32 scores, or int8 codes read as integers (VNNI at D = 32, 64, 96, 128)
 def test_scalar_build_equals_the_vector_build(tmp_path, qscores):
     handle = scalar_native_library(tmp_path)
     jax.ffi.register_ffi_target("kvjax_attend_int8_ring_scalar", jax.ffi.pycapsule(handle.KvjaxAttendInt8Ring),
                                 platform="cpu")
-    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16), (2, 3, 128, jnp.float32)]:
+    for T, G, D, ring_dtype in [(1, 3, 64, jnp.float32), (5, 2, 24, jnp.bfloat16), (2, 3, 128, jnp.float32),
+                                 (3, 2, 32, jnp.bfloat16), (1, 2, 96, jnp.float32)]:
         q, part, (rk, rv, r_pos), q_pos = _case(T, G, D=D, ring_dtype=ring_dtype, seed=D)
         shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in (q.shape, q.shape[:3], q.shape[:3]))
         outs = [jax.ffi.ffi_call(target, shapes)(q, part.k, part.v, part.k_scale, part.v_scale, q_pos, part.pos, rk,
