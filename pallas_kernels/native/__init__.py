@@ -161,13 +161,15 @@ def _build() -> dict:
             continue
         _handles.append(handle)
         return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width(),
-                    int_dot_vnni=bool(handle.kvjax_native_int_dot_vnni()))
+                    int_dot_vnni=bool(handle.kvjax_native_int_dot_vnni()),
+                    int8_scores_vnni=bool(handle.kvjax_native_int8_scores_vnni()))
     return dict(ok=False, reason="build failed: " + " | ".join(errors))
 
 
 def status() -> dict:
     """Build/load status: `ok`, and either `library`, `flags`, `vector_width` (8 = AVX2+FMA path), `int_dot_vnni`
-    (whether `int_dot.cc`'s integer dot products run as AVX-512 VNNI instructions) or `reason`."""
+    (whether `int_dot.cc`'s integer dot products run as AVX-512 VNNI instructions), `int8_scores_vnni` (whether
+    `attend_stats_int8`'s `qscores` do, `int8_scores_fast`) or `reason`."""
     with _lock:
         if not _state:
             _state.update(_build())
@@ -373,6 +375,13 @@ def runs_here() -> bool:
     """Whether the native kernels serve this process's calls: the CPU backend, with the library built and loaded --
     the one predicate every native dispatch checks (the attention's goes through `pallas_kernels.backend.resolve`)."""
     return jax.default_backend() == "cpu" and available()
+
+
+def int8_scores_fast(head_dim: int) -> bool:
+    """Whether int8 keys' integer scores (`attend_stats_int8`'s `qscores`) run here as AVX-512 VNNI tiles: the native
+    kernels serve this process, the library was built with VNNI, and the head size is a multiple of 32 (elsewhere a
+    plain integer loop gives the same results, slower)."""
+    return runs_here() and bool(status().get("int8_scores_vnni")) and head_dim % 32 == 0
 
 
 def _gather_shape(x, pos) -> tuple[int, int, int, int]:

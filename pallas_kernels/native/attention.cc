@@ -1516,6 +1516,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendMass, AttendMassImpl,
                                   .Attr<ffi::Span<const int64_t>>("mass_rows"));
 
 extern "C" int kvjax_native_vector_width() { return KVJAX_AVX2 ? 8 : 1; }
+// Whether qscores' integer scores run as VNNI tiles here (head sizes that are multiples of 32) or the plain loop.
+extern "C" int kvjax_native_int8_scores_vnni() { return KVJAX_ATT_VNNI; }
 // The thread pool's spin window (microseconds), for measuring its effect within one process (benchmarks).
 extern "C" void kvjax_native_set_spin_us(long long us) { kvjax_native::Pool::get().set_spin_us(us); }
 // Which threads the kernels run on (workers.h): 0 XLA's intra-op pool where lent, 1 the library's own pool.

@@ -94,13 +94,17 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir, monkeypatch):
 
 def test_the_default_drafter_drafts_cheaply_where_the_kernels_read_it(hf_model_dir):
     """The family's default drafter (no compressor named) takes the measured-best cheap draft where the kernels read
-    it directly (bf16 kept keys and values, int8 for a model whose kept part would not stay in cache; int8 weights
-    on the CPU); a named drafter keeps its f32 defaults, and given fields win over the default ones."""
+    it directly (bf16 kept keys and values; int8 for a model whose kept part would not stay in cache, or whose int8
+    keys are scored as integers on VNNI tiles; int8 weights on the CPU); a named drafter keeps its f32 defaults, and
+    given fields win over the default ones."""
     m = kvjax.load(hf_model_dir("llama")[1])
     d = m.family.make_compressor(None, model=m)
-    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", "bfloat16", "int8", 2048)
-    big = dataclasses.replace(m, config=dataclasses.replace(m.config, num_layers=30, num_kv_heads=3, head_dim=64))
     native = pallas_kernels.active_cpu_implementation() == "native"
+    small = "int8" if native and native.int8_scores_fast(m.config.head_dim) else "bfloat16"
+    assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", small, "int8", 2048)
+    odd = dataclasses.replace(m, config=dataclasses.replace(m.config, head_dim=24))  # small, no VNNI tiles: bf16
+    assert m.family.make_compressor(None, model=odd).draft_dtype == "bfloat16"
+    big = dataclasses.replace(m, config=dataclasses.replace(m.config, num_layers=30, num_kv_heads=3, head_dim=64))
     assert m.family.make_compressor(None, model=big).draft_dtype == ("int8" if native else "bfloat16")  # SmolLM2's
     assert m.family.make_compressor(None, model=big, draft_dtype="bfloat16").draft_dtype == "bfloat16"
     assert (d.budget(4096), d.budget(32768), d.budget(100)) == (1024, 2048, 32)  # ratio 4, capped at 2048
