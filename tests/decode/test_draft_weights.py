@@ -99,13 +99,13 @@ def test_the_default_drafter_drafts_cheaply_where_the_kernels_read_it(hf_model_d
     given fields win over the default ones."""
     m = kvjax.load(hf_model_dir("llama")[1])
     d = m.family.make_compressor(None, model=m)
-    native = pallas_kernels.active_cpu_implementation() == "native"
-    small = "int8" if native and native.int8_scores_fast(m.config.head_dim) else "bfloat16"
+    on_native = pallas_kernels.active_cpu_implementation() == "native"
+    small = "int8" if on_native and native.int8_scores_fast(m.config.head_dim) else "bfloat16"
     assert (d.name, d.draft_dtype, d.draft_weights, d.max_kept) == ("refresh", small, "int8", 2048)
     odd = dataclasses.replace(m, config=dataclasses.replace(m.config, head_dim=24))  # small, no VNNI tiles: bf16
     assert m.family.make_compressor(None, model=odd).draft_dtype == "bfloat16"
     big = dataclasses.replace(m, config=dataclasses.replace(m.config, num_layers=30, num_kv_heads=3, head_dim=64))
-    assert m.family.make_compressor(None, model=big).draft_dtype == ("int8" if native else "bfloat16")  # SmolLM2's
+    assert m.family.make_compressor(None, model=big).draft_dtype == ("int8" if on_native else "bfloat16")  # SmolLM2's
     assert m.family.make_compressor(None, model=big, draft_dtype="bfloat16").draft_dtype == "bfloat16"
     assert (d.budget(4096), d.budget(32768), d.budget(100)) == (1024, 2048, 32)  # ratio 4, capped at 2048
     assert m.family.make_compressor("refresh").draft_weights == "float32"
