@@ -818,17 +818,23 @@ __attribute__((noinline)) void IntScoreTile(const Rows& R_, const int64_t* act, 
     q8[r] = R_.q8.data() + act[a0 + r] * D;
     acc[r] = _mm512_setzero_si512();
   }
-  for (int64_t c = 0; c < D / 32; ++c) {  // 8 dword groups of 4 dims each
+  // dword group g (dims 4g .. 4g + 3) of the 16 keys, for every row
+  auto group = [&](int64_t g) __attribute__((always_inline)) {
+    const __m512i kv = _mm512_loadu_si512(kq + g * 16);
     KVJAX_UNROLL
-    for (int g = 0; g < 8; ++g) {
-      const __m512i kv = _mm512_loadu_si512(kq + (8 * c + g) * 16);
-      KVJAX_UNROLL
-      for (int r = 0; r < R; ++r) {
-        int32_t qd;
-        std::memcpy(&qd, q8[r] + 32 * c + 4 * g, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], kv, _mm512_set1_epi32(qd));
-      }
+    for (int r = 0; r < R; ++r) {
+      int32_t qd;
+      std::memcpy(&qd, q8[r] + 4 * g, 4);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], kv, _mm512_set1_epi32(qd));
     }
+  };
+  for (int64_t c = 0; c < D / 64; ++c) {
+    KVJAX_UNROLL
+    for (int g = 0; g < 16; ++g) group(16 * c + g);
+  }
+  if (D % 64) {  // a last 32 dims: 8 groups
+    KVJAX_UNROLL
+    for (int g = 0; g < 8; ++g) group(D / 64 * 16 + g);
   }
   const __m512 ksv = _mm512_loadu_ps(ks);
   const __m512i p = _mm512_loadu_si512(kp);
