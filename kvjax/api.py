@@ -491,13 +491,21 @@ def generate_vericache(model: Model, prompt_ids, max_new_tokens: int = DEFAULT_M
 
 def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCacheConfig, *, logprobs=False,
                   return_logits=False, prefix_cache=None, warmup=False, progress=None, on_prefill=None,
-                  on_plan=None, on_warmup=None, on_round=None, should_stop=None) -> Generation:
+                  on_plan=None, on_warmup=None, on_round=None, should_stop=None, prefilled=None,
+                  keep_prefilled=None) -> Generation:
     """One checked prompt through VeriCache: prefill (through the prefix cache if any), optional compile warm-up on
     a copy of the cache, the rounds; the `Generation` cut by the stop rule. The CLI's hooks: `on_prefill(done)`,
     `on_plan(prefix-cache Plan or None)`, `on_warmup(draft lengths compiled so far, from 0)`,
-    `on_round(new, logprobs)`, `should_stop(tokens)` (besides the rule)."""
-    last, full, plan = prefill(model, ids, vc.capacity_for(ids.size, max_new_tokens, cfg.xs[-1]),
-                               prefix_cache=prefix_cache, on_chunk=on_prefill)
+    `on_round(new, logprobs)`, `should_stop(tokens)` (besides the rule); `keep_prefilled(last, full)` receives a copy
+    of the prefilled state, which `prefilled=(last, full)` of a later call of the same prompt and config starts from
+    instead of prefilling (a copy of it: `kvjax generate --compare-full` times the run again)."""
+    if prefilled is not None:
+        last, full, plan = prefilled[0], jax.tree.map(jnp.copy, prefilled[1]), None
+    else:
+        last, full, plan = prefill(model, ids, vc.capacity_for(ids.size, max_new_tokens, cfg.xs[-1]),
+                                   prefix_cache=prefix_cache, on_chunk=on_prefill)
+        if keep_prefilled is not None:
+            keep_prefilled(last, jax.tree.map(jnp.copy, full))
     if on_plan is not None:
         on_plan(plan)
     first = vc.first_token(last, ids.size, jnp.asarray([seed], jnp.int32), sampling)

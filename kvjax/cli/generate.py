@@ -273,15 +273,20 @@ def _run_vericache(model, ids, args, text: TextStream):
         if bars["decode"] is not None:
             bars["decode"].update(min(done, n) - bars["decode"].n)
 
+    kept = {}  # --compare-full: the prefilled state, for timing the run again (a copy of the full cache meanwhile)
+    keep = (lambda last, full: kept.update(state=(last, full))) if args.compare_full else None
     try:
         g = api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg, logprobs=args.logprobs,
                               prefix_cache=args.prefix_cache, warmup=args.warmup, progress=progress,
-                              on_prefill=on_prefill, on_plan=_log_plan, on_warmup=on_warmup)
+                              on_prefill=on_prefill, on_plan=_log_plan, on_warmup=on_warmup, keep_prefilled=keep)
     finally:
         for b in bars.values():
             _close(b)
     if g.stats.get("warmup_s"):
         log(f"warm-up (compile) {g.stats['warmup_s']:.1f}s")
+    # --compare-full times the same run again between its full-cache timings, from the same prefilled state
+    args.rerun_vericache = lambda: api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg,
+                                                     prefilled=kept["state"])
     return g, g.stats
 
 
@@ -309,9 +314,14 @@ def _log_plan(plan) -> None:
         log(f"prefix cache: {plan}")
 
 
+TIMING_RUNS = 3  # --compare-full: full-cache and VeriCache timings each, alternated (medians reported)
+
+
 def _compare_full(args, model, ids, g) -> dict:
-    """Check VeriCache tokens against the full-cache reference decode and time full-cache decoding (compiled first,
-    as VeriCache's tokens_per_s counts only rounds that compiled nothing: the ratio compares compiled runs)."""
+    """Check VeriCache tokens against the full-cache reference decode, then time full-cache decoding (compiled first,
+    as VeriCache's tokens_per_s counts only rounds that compiled nothing: the ratio compares compiled runs) and
+    VeriCache alternately, `TIMING_RUNS` times each (the run above is VeriCache's first), so a drift in the shared
+    machine's speed falls on both; the speedup is the ratio of the medians."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -326,7 +336,7 @@ def _compare_full(args, model, ids, g) -> dict:
         ref = vericache.reference_decode(model, ids, len(g), draft_len=xs[0], max_draft=max(xs), temperature=sampling,
                                          seed=args.seed, progress=lambda k: bar.update(k - bar.n))
     identical = bool(np.array_equal(ref, g.tokens))
-    with progress_bar(2, "full-cache decode (timing)") as bar:
+    with progress_bar(2 * TIMING_RUNS, "full-cache decode and VeriCache (timing, alternated)") as bar:
         cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + len(g) + 2), model.cache_dtype)
         logits, cache = steps.prefill(model, cache, ids)
         first = jnp.argmax(logits).astype(jnp.int32)[None]
@@ -336,13 +346,27 @@ def _compare_full(args, model, ids, g) -> dict:
             return steps.decode(model.loop_params(), model.config, c, first, seed, num_steps=len(g), family=model.family,
                                 impl=model.attention)[0]
 
-        jax.block_until_ready(run(jax.tree.map(jnp.copy, cache)))
+        jax.block_until_ready(run(jax.tree.map(jnp.copy, cache)))  # compiles
         bar.update(1)
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(cache))
-        full_tps = len(g) / (time.perf_counter() - t0)
-        bar.update(1)
-    return dict(identical_to_full_cache=identical, full_cache_tokens_per_s=round(full_tps, 2))
+        full_tps, vc_tps = [], [g.stats.get("tokens_per_s")]
+        for i in range(TIMING_RUNS):
+            c = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(c))
+            full_tps.append(len(g) / (time.perf_counter() - t0))
+            if i + 1 < TIMING_RUNS:
+                vc_tps.append(args.rerun_vericache().stats.get("tokens_per_s"))
+            bar.update(min(2, 2 * TIMING_RUNS - bar.n))
+    args.rerun_vericache = None  # frees the kept copy of the prefilled cache
+    full_med = float(np.median(full_tps))
+    vc_tps = [t for t in vc_tps if t is not None]  # a run whose every round compiled times nothing
+    out = dict(identical_to_full_cache=identical, full_cache_tokens_per_s=round(full_med, 2),
+               timing_runs=dict(full_cache_tokens_per_s=[round(t, 2) for t in full_tps],
+                                vericache_tokens_per_s=[round(t, 2) for t in vc_tps]))
+    if vc_tps:
+        vc_med = float(np.median(vc_tps))
+        out.update(vericache_tokens_per_s_median=round(vc_med, 2), speedup_vs_full=round(vc_med / full_med, 3))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -405,12 +429,12 @@ def _run_batch(model, args) -> dict:
 def summary(result: dict) -> str:
     """The one-line summary printed on stderr after a run."""
     keys = ("mode", "family", "prompt_tokens", "new_tokens", "finish_reason", "tokens_per_s",
-            "full_cache_tokens_per_s", "mean_accepted_per_round", "mean_x", "identical_to_full_cache", "seconds",
-            "prompts")
+            "vericache_tokens_per_s_median", "full_cache_tokens_per_s", "mean_accepted_per_round", "mean_x",
+            "identical_to_full_cache", "seconds", "prompts")
     parts = [f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}"
              for k in keys if k in result and result[k] is not None]
-    if result.get("tokens_per_s") and result.get("full_cache_tokens_per_s"):
-        parts.append(f"speedup_vs_full={result['tokens_per_s'] / result['full_cache_tokens_per_s']:.2f}x")
+    if result.get("speedup_vs_full"):  # --compare-full: medians of alternated timings
+        parts.append(f"speedup_vs_full={result['speedup_vs_full']:.2f}x")
     return "summary: " + " ".join(parts)
 
 
