@@ -85,24 +85,38 @@ def draft_slots(params, config, dbatch, last: jax.Array, drafts: jax.Array, coun
     return family.draft_join(frozen, live), drafts, count
 
 
-@functools.partial(jax.jit, static_argnames="family")
 def take_row(dbatch, drafts: jax.Array, count: jax.Array, slot: jax.Array, *, family):
     """Slot `slot`'s changing draft state as a B = 1 draft cache (no invariant part), and its drafts i32[1, x]
-    (-1 beyond count)."""
+    (-1 beyond count). Only the changing part enters the jitted call: a call pays per array it is handed, and the
+    invariant part is most of a draft batch's arrays (`put_row` likewise)."""
+    return _take_live(family.draft_split(dbatch)[1], drafts, count, slot, family=family)
+
+
+@functools.partial(jax.jit, static_argnames="family")
+def _take_live(live, drafts: jax.Array, count: jax.Array, slot: jax.Array, *, family):
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, 0)  # noqa: E731
-    row = family.draft_join(None, jax.tree.map(take, family.draft_split(dbatch)[1]))
+    row = family.draft_join(None, jax.tree.map(take, live))
     d = take(drafts)
     c = take(count)
     d = jnp.where(jnp.arange(d.shape[1])[None, :] < c[:, None], d, -1)
     return row, d
 
 
-@functools.partial(jax.jit, static_argnames="family", donate_argnames="dbatch")
 def put_row(dbatch, row, slot: jax.Array, *, family):
-    """Write a B = 1 row's changing state (from `take_row`, after verification) back into slot `slot`."""
-    put = lambda a, r: put_slot(a, r, slot)  # noqa: E731
+    """Write a B = 1 row's changing state (from `take_row`, after verification) back into slot `slot` (the batch's
+    changing part is donated: updated in place)."""
     frozen, live = family.draft_split(dbatch)
-    return family.draft_join(frozen, jax.tree.map(put, live, family.draft_split(row)[1]))
+    return family.draft_join(frozen, _put_live(live, family.draft_split(row)[1], slot))
+
+
+@functools.partial(jax.jit, donate_argnames="live")
+def _put_live(live, row_live, slot: jax.Array):
+    return jax.tree.map(lambda a, r: put_slot(a, r, slot), live, row_live)
+
+
+# their compiles are their jitted halves' (`kvjax.decode.metrics.jit_cache_sizes`, the no-recompile tests)
+take_row._cache_size = _take_live._cache_size
+put_row._cache_size = _put_live._cache_size
 
 
 @functools.partial(jax.jit, static_argnames="family", donate_argnames="dbatch")
