@@ -191,7 +191,7 @@ RESULTS: tuple[Result, ...] = (
     Result("scheduler_tiny_8x16k_x4", "scheduler", "tiny, 8 x 16K, x = 4", "scripts/bench_scheduler.py",
            ("--requests", "8", "--context", "16384", "--new-tokens", "128", "--compressor", "refresh",
             "--draft-len", "4", "--json", f"{RESULTS_DIR}/scheduler_tiny_8x16k_x4.json"), 15, png=True),
-    Result("scheduler_tiny_8x16k_default", "scheduler", "tiny, 8 x 16K, default drafter fields, x = 8",
+    Result("scheduler_tiny_8x16k_default", "scheduler", "tiny, 8 x 16K, bf16 drafter, x = 8",
            "scripts/bench_scheduler.py",
            ("--requests", "8", "--context", "16384", "--new-tokens", "128", "--compressor",
             "refresh:ratio=4:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048", "--draft-len", "8",
