@@ -102,6 +102,7 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
         if all_logits:
             rows.append(np.asarray(lg[0, :part.size]))
         if on_chunk is not None:
+            jax.block_until_ready(last)  # a progress bar counts the chunk once it ran, not once it was dispatched
             on_chunk(start + part.size)
     if all_logits:
         return np.concatenate(rows, axis=0), cache
