@@ -162,14 +162,15 @@ def _build() -> dict:
         _handles.append(handle)
         return dict(ok=True, library=str(lib), flags=" ".join(flags), vector_width=handle.kvjax_native_vector_width(),
                     int_dot_vnni=bool(handle.kvjax_native_int_dot_vnni()),
-                    int8_scores_vnni=bool(handle.kvjax_native_int8_scores_vnni()))
+                    int8_score_tile_dims=int(handle.kvjax_native_int8_score_tile_dims()))
     return dict(ok=False, reason="build failed: " + " | ".join(errors))
 
 
 def status() -> dict:
     """Build/load status: `ok`, and either `library`, `flags`, `vector_width` (8 = AVX2+FMA path), `int_dot_vnni`
-    (whether `int_dot.cc`'s integer dot products run as AVX-512 VNNI instructions), `int8_scores_vnni` (whether
-    `attend_stats_int8`'s `qscores` do, `int8_scores_fast`) or `reason`."""
+    (whether `int_dot.cc`'s integer dot products run as AVX-512 VNNI instructions), `int8_score_tile_dims`
+    (`attend_stats_int8`'s `qscores` run as VNNI tiles for head sizes that are multiples of it; 0: none,
+    `int8_scores_fast`) or `reason`."""
     with _lock:
         if not _state:
             _state.update(_build())
@@ -379,9 +380,10 @@ def runs_here() -> bool:
 
 def int8_scores_fast(head_dim: int) -> bool:
     """Whether int8 keys' integer scores (`attend_stats_int8`'s `qscores`) run here as AVX-512 VNNI tiles: the native
-    kernels serve this process, the library was built with VNNI, and the head size is a multiple of 32 (elsewhere a
-    plain integer loop gives the same results, slower)."""
-    return runs_here() and bool(status().get("int8_scores_vnni")) and head_dim % 32 == 0
+    kernels serve this process, the library was built with VNNI, and the head size is one the tiles take (a multiple
+    of 32, as `attention.cc` reports it; elsewhere a plain integer loop gives the same results, slower)."""
+    dims = status().get("int8_score_tile_dims", 0) if runs_here() else 0
+    return dims > 0 and head_dim % dims == 0
 
 
 def _gather_shape(x, pos) -> tuple[int, int, int, int]:

@@ -785,6 +785,8 @@ inline float IntScore(const int8_t* q8, const int8_t* kr, int64_t D, float rs, f
 
 #if KVJAX_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVJAX_ATT_VNNI 1
+// The head sizes the tiles take: multiples of 32 dims (64-dim chunks, then at most one half chunk).
+constexpr int64_t kIntTileDims = 32;
 // 16 keys' codes (k0: 16 x D, D % 32 == 0), each byte + 128 (unsigned, as vpdpbusd reads them), as dwords
 // transposed: kq[g * 16 + i] holds key i's dims 4g .. 4g + 3 (kq holds 256 dwords per 64 dims, a last 32 as 64 whose
 // upper half is zero).
@@ -864,6 +866,7 @@ struct IntScoreF {
 };
 #else
 #define KVJAX_ATT_VNNI 0
+constexpr int64_t kIntTileDims = 0;  // no tiles: the plain integer loop for every head size
 #endif
 
 // Step 1 of BlockRows for int8 keys under qscores: every active row's integer scores against the block, masked, with
@@ -873,7 +876,7 @@ inline void IntScoreBlock(const Problem& P, const Rows& R, const int64_t* act, i
   const int64_t D = P.D, n = blk.n, npad = blk.npad;
   int64_t j = 0;
 #if KVJAX_ATT_VNNI
-  if (D % 32 == 0) {
+  if (D % kIntTileDims == 0) {
     W.kq.resize(256 * ((D + 63) / 64));
     const int64_t lines = (16 * D * 2 + 63) / 64;  // this group's share of the next block's keys and values
     for (; j + 16 <= n; j += 16) {
@@ -1522,8 +1525,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendMass, AttendMassImpl,
                                   .Attr<ffi::Span<const int64_t>>("mass_rows"));
 
 extern "C" int kvjax_native_vector_width() { return KVJAX_AVX2 ? 8 : 1; }
-// Whether qscores' integer scores run as VNNI tiles here (head sizes that are multiples of 32) or the plain loop.
-extern "C" int kvjax_native_int8_scores_vnni() { return KVJAX_ATT_VNNI; }
+// The head sizes whose qscores run as VNNI tiles here: multiples of this many dims (0: none, the plain loop for all).
+extern "C" int kvjax_native_int8_score_tile_dims() { return static_cast<int>(kIntTileDims); }
 // The thread pool's spin window (microseconds), for measuring its effect within one process (benchmarks).
 extern "C" void kvjax_native_set_spin_us(long long us) { kvjax_native::Pool::get().set_spin_us(us); }
 // Which threads the kernels run on (workers.h): 0 XLA's intra-op pool where lent, 1 the library's own pool.
