@@ -32,6 +32,13 @@ def tree_nbytes(tree) -> int:
     return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
+def same_shapes(a, b) -> bool:
+    """Whether two pytrees of arrays (or `jax.ShapeDtypeStruct`s) have the same structure, shapes and dtypes."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def tree_identity(tree) -> tuple[tuple[int, ...], list]:
     """(the ids of `tree`'s leaves, the leaves): a key for "made from these very arrays" -- a leaf replaced anywhere in
     the tree, even inside a dict held in place, changes it. A cache keyed on it must hold the leaves (returned for that)

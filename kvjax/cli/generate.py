@@ -284,7 +284,9 @@ def _run_vericache(model, ids, args, text: TextStream):
             _close(b)
     if g.stats.get("warmup_s"):
         log(f"warm-up (compile) {g.stats['warmup_s']:.1f}s")
-    # --compare-full times the same run again between its full-cache timings, from the same prefilled state
+    # --compare-full checks the run against a reference decoded from the same prefilled state, and times the same
+    # run again between its full-cache timings from it
+    args.prefilled = kept.get("state")
     args.rerun_vericache = lambda: api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg,
                                                      prefilled=kept["state"])
     return g, g.stats
@@ -321,24 +323,37 @@ def _compare_full(args, model, ids, g) -> dict:
     """Check VeriCache tokens against the full-cache reference decode, then time full-cache decoding (compiled first,
     as VeriCache's tokens_per_s counts only rounds that compiled nothing: the ratio compares compiled runs) and
     VeriCache alternately, `TIMING_RUNS` times each (the run above is VeriCache's first), so a drift in the shared
-    machine's speed falls on both; the speedup is the ratio of the medians."""
+    machine's speed falls on both; the speedup is the ratio of the medians.
+
+    Both start from a copy of the run's own prefilled state where it is what they would prefill (measured, SmolLM2's
+    8K prompt: two prefills of ~26 s each fewer): the reference (the same prefill program on the same prompt, so the
+    same bits) unless a prefix cache restored part of it -- a restored prefix is checked against a fresh prefill --
+    and the timing when its capacity bucket is the run's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from kvjax.arrays import same_shapes
     from kvjax.cache.capacity import pick_capacity
     from kvjax.decode import steps, vericache
     from kvjax.decode.sampling import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    state = getattr(args, "prefilled", None)  # (last-row logits, full cache) of the run above
     with progress_bar(len(g), "reference decode (check)") as bar:
         xs = args.draft_set  # the reference takes the run's cache capacity (its largest x) and a verify shape
         ref = vericache.reference_decode(model, ids, len(g), draft_len=xs[0], max_draft=max(xs), temperature=sampling,
-                                         seed=args.seed, progress=lambda k: bar.update(k - bar.n))
+                                         seed=args.seed, progress=lambda k: bar.update(k - bar.n),
+                                         prefilled=state if args.prefix_cache is None else None)
     identical = bool(np.array_equal(ref, g.tokens))
     with progress_bar(2 * TIMING_RUNS, "full-cache decode and VeriCache (timing, alternated)") as bar:
-        cache = model.family.init_cache(model.config, 1, pick_capacity(ids.size + len(g) + 2), model.cache_dtype)
-        logits, cache = steps.prefill(model, cache, ids)
+        capacity = pick_capacity(ids.size + len(g) + 2)
+        fresh = jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity, model.cache_dtype))
+        if state is not None and same_shapes(state[1], fresh):
+            logits, cache = state  # every timed run decodes a copy of it
+        else:
+            cache = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
+            logits, cache = steps.prefill(model, cache, ids)
         first = jnp.argmax(logits).astype(jnp.int32)[None]
         seed = jnp.zeros((1,), jnp.int32)
 
@@ -357,7 +372,7 @@ def _compare_full(args, model, ids, g) -> dict:
             if i + 1 < TIMING_RUNS:
                 vc_tps.append(args.rerun_vericache().stats.get("tokens_per_s"))
             bar.update(min(2, 2 * TIMING_RUNS - bar.n))
-    args.rerun_vericache = None  # frees the kept copy of the prefilled cache
+    args.rerun_vericache = args.prefilled = None  # frees the kept copy of the prefilled cache
     full_med = float(np.median(full_tps))
     vc_tps = [t for t in vc_tps if t is not None]  # a run whose every round compiled times nothing
     out = dict(identical_to_full_cache=identical, full_cache_tokens_per_s=round(full_med, 2),

@@ -19,6 +19,8 @@ import functools
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from kvjax.arrays import same_shapes
+
 
 def shardings(device=None):
     """(host, device) shardings of one device: memory kinds "pinned_host" and "device"."""
@@ -52,7 +54,7 @@ def fetch(host_tree, device=None, into=None):
     before: a GPU's allocator reuses device memory without faults, and its copy engine should keep the transfer.
     """
     _, dev = shardings(device)
-    if into is not None and _platform(dev) == "cpu" and _same_arrays(into, host_tree):
+    if into is not None and _platform(dev) == "cpu" and same_shapes(into, host_tree):
         return _copy_into(into, host_tree, dev)
     del into
     return jax.tree.map(lambda a: jax.device_put(a, dev), host_tree)
@@ -115,12 +117,6 @@ def _host_part(committed, *, family):
 
 def _platform(sharding) -> str:
     return next(iter(sharding.device_set)).platform
-
-
-def _same_arrays(a, b) -> bool:
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @functools.partial(jax.jit, static_argnums=2, donate_argnums=0)

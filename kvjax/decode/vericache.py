@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.arrays import tree_nbytes
+from kvjax.arrays import same_shapes, tree_nbytes
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import draft as draft_mod
 from kvjax.decode import metrics
@@ -283,7 +283,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
 
 def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int = 8, temperature: float = 0.0,
                      seed: int = 0, max_draft: int | None = None, return_margins: bool = False,
-                     return_logits: bool = False, progress=None):
+                     return_logits: bool = False, progress=None, prefilled=None):
     """kvjax's full-cache reference decoder: one token per step through the verify shape (T = x + 1, row 0).
 
     Args:
@@ -292,6 +292,10 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
         return_margins: also return f32[max_new_tokens] top-1 minus top-2 logit at each step.
         return_logits: also return the logits row that chose each token, f32[max_new_tokens, V].
         progress: optional callback(tokens_done).
+        prefilled: (last-row logits, full cache) that `steps.prefill` left for this prompt in a fresh cache of this
+            capacity (`capacity_for`): a copy is decoded instead of prefilling again -- the same program on the same
+            inputs, so the same bits (`kvjax generate --compare-full` checks a run against its own prefill this way
+            when no prefix cache restored it, a prefill fewer). A cache of another shape raises ValueError.
 
     Returns:
         tokens i32[max_new_tokens] (then margins, then logits, as asked).
@@ -303,9 +307,12 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     check_draft_len(model, draft_len)
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     seed_a = jnp.asarray([seed], jnp.int32)
-    full = model.family.init_cache(model.config, 1, capacity_for(prompt.size, max_new_tokens, max_draft or draft_len),
-                                   model.cache_dtype)
-    logits, full = steps.prefill(model, full, prompt)
+    capacity = capacity_for(prompt.size, max_new_tokens, max_draft or draft_len)
+    if prefilled is None:
+        full = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
+        logits, full = steps.prefill(model, full, prompt)
+    else:
+        logits, full = prefilled[0], prefilled_copy(model, prefilled[1], capacity)
     tok = first_token(logits, prompt.size, seed_a, temperature)
     out, margins, rows = [int(tok[0])], [_margin(logits)], [np.asarray(logits)]
     vparams = model.verify_params()  # the layout VeriCache verifies with: its reference must read the same
@@ -325,6 +332,14 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
     if return_logits:
         result.append(np.stack(rows))
     return tuple(result) if len(result) > 1 else result[0]
+
+
+def prefilled_copy(model, full, capacity: int):
+    """A copy of a prefilled cache `full`, checked to be shaped as a fresh cache of `capacity` (ValueError if not)."""
+    want = jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity, model.cache_dtype))
+    if not same_shapes(full, want):
+        raise ValueError(f"the prefilled cache is not shaped as a cache of capacity {capacity} for this model")
+    return jax.tree.map(jnp.copy, full)
 
 
 def _margin(logits) -> float:

@@ -57,6 +57,21 @@ def test_no_warmup_compare_full_times_only_compiled_rounds(capsys):
     assert f"speedup_vs_full={res['speedup_vs_full']:.2f}x" in summary
 
 
+def test_compare_full_prefills_once(monkeypatch, capsys):
+    """--compare-full checks and times from the run's own prefilled state (no prefix cache here): one prefill in all,
+    still identical to the reference."""
+    from kvjax.decode import steps
+
+    calls = []
+    prefill = steps.prefill
+    monkeypatch.setattr(steps, "prefill", lambda *a, **k: calls.append(1) or prefill(*a, **k))
+    assert cli.main(["generate", "--model", BUNDLED, "--prompt", "import sys\n", "--mode", "vericache",
+                     "--draft-len", "4", "--new-tokens", "12", "--ignore-eos", "--compare-full", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["identical_to_full_cache"] is True and len(res["timing_runs"]["full_cache_tokens_per_s"]) == 3
+    assert len(calls) == 1
+
+
 def test_batch_stdout_is_jsonl_only_with_prompt_tokens(tmp_path, capsys):
     pf = tmp_path / "batch.jsonl"
     pf.write_text(json.dumps({"prompt": "def f("}) + "\n" + json.dumps({"token_ids": [5, 6, 7]}) + "\n")

@@ -133,3 +133,20 @@ def test_agreement_with_plain_decoding_reported(llama):
     # a disagreement can only happen where the reference's top-2 margin is tiny
     if diff.size:
         assert margins[diff[0]] < 1e-3
+
+
+def test_reference_from_the_runs_prefilled_state(llama):
+    """The reference decoded from the run's own prefilled state (`prefilled=`, what `--compare-full` saves a prefill
+    with): the same tokens and logits as one that prefills again, the state left as it was; a cache of another
+    capacity is refused."""
+    prompt = _prompts(1, 50, seed=3)[0]
+    cache = llama.family.init_cache(llama.config, 1, vc.capacity_for(prompt.size, 12, 4), llama.cache_dtype)
+    last, cache = steps.prefill(llama, cache, prompt)
+    before = [np.asarray(a).copy() for a in jax.tree.leaves(cache)]
+    toks, logits = vc.reference_decode(llama, prompt, 12, draft_len=4, return_logits=True)
+    toks2, logits2 = vc.reference_decode(llama, prompt, 12, draft_len=4, return_logits=True, prefilled=(last, cache))
+    np.testing.assert_array_equal(toks2, toks)
+    np.testing.assert_array_equal(logits2, logits)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(cache)))
+    with pytest.raises(ValueError, match="not shaped as a cache of capacity 512"):
+        vc.reference_decode(llama, prompt, 300, draft_len=4, prefilled=(last, cache))
