@@ -18,6 +18,8 @@ lock-step run's measured per-phase costs predict for perfect staggering ("ideal"
 throughput and measured device memory over time.
 
 Default budget: two full caches plus one layer of admission scratch ("a budget that holds two full caches").
+Default drafter and x: the scheduler's own (`--compressor default`: `VeriCacheScheduler` given no compressor, i.e. the
+family's default drafter, whose fields the JSON records; x = 8); any other drafter by name, with fields.
 
 Full-size run (the issue's target): python scripts/bench_scheduler.py --requests 16 --context 16384 --new-tokens 256
 Reduced run:                          python scripts/bench_scheduler.py --requests 4 --context 4096 --new-tokens 64
@@ -48,9 +50,18 @@ from bench_common import heldout_prompts, load_bench_model, parse_drafter_spec, 
 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
                  "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128),
-                 "refresh": dict(ratio=8.0), "refresh_kivi4": {}}
+                 "refresh": dict(ratio=8.0), "refresh_kivi4": {},
+                 "default": {}}  # the scheduler's own drafter (`default_drafter`)
 
 
+
+
+def default_drafter(model, fields: dict) -> tuple[str, dict]:
+    """(name, fields) of the drafter `VeriCacheScheduler` makes when given no compressor (the family's default and
+    its default fields for `model`), under `fields`."""
+    fam = model.family
+    base = fam.default_compressor_kw(model) if fam.default_compressor_kw is not None else {}
+    return fam.default_compressor, {**base, **fields}
 
 
 def reference(model, prefilled, M: int, x: int) -> np.ndarray:
@@ -139,9 +150,10 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=16384, help="cache bucket; prompts fill it minus new tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--budget-bytes", type=int, default=None, help="default: two full caches + one layer")
-    ap.add_argument("--draft-len", type=int, default=16)
-    ap.add_argument("--compressor", default="streaming",
-                    help=f"drafter: one of {sorted(COMPRESSOR_KW)}, optionally with fields, e.g. "
+    ap.add_argument("--draft-len", type=int, default=8, help="x (default: the scheduler's, 8)")
+    ap.add_argument("--compressor", default="default",
+                    help=f"drafter: one of {sorted(COMPRESSOR_KW)} ('default': what the scheduler drafts with when "
+                         "given none), optionally with fields, e.g. "
                          "'refresh:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048'")
     ap.add_argument("--ratio", type=float, default=None, help="compression ratio (token-dropping compressors)")
     ap.add_argument("--max-slots", type=int, default=16)
@@ -160,6 +172,8 @@ def main(argv=None):
     prompts, source = heldout_prompts(model, model_name, P, R, args.seed)
     comp_name, ckw = parse_drafter_spec(args.compressor, COMPRESSOR_KW,
                                         {} if args.ratio is None else {"ratio": args.ratio}, "bench_scheduler")
+    if comp_name == "default":
+        comp_name, ckw = default_drafter(model, ckw)
 
     t0 = time.perf_counter()
     pre = [requests.prefill_request(model, p, M, draft_len=x) for p in prompts]
@@ -269,7 +283,8 @@ def main(argv=None):
           f"staggering can win over lock-step); achieved {100 * ideal['achieved_fraction']:.0f}% of it")
 
     out = dict(config=dict(requests=R, context=args.context, prompt_tokens=P, new_tokens=M, draft_len=x,
-                           compressor=comp_name, compressor_kw=ckw, budget_bytes=budget,
+                           compressor_spec=args.compressor, compressor=comp_name, compressor_kw=ckw,
+                           budget_bytes=budget,
                            full_cache_bytes=full_bytes, prompt_source=source, model=model_name,
                            verify_slots=args.verify_slots, stagger=args.stagger,
                            draft_chunk=args.draft_chunk, prefill_s=t_prefill,

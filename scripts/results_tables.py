@@ -216,13 +216,25 @@ def render_roofline(items) -> str:
     return table(header, column_rows(sorted(labels, key=labels.get), cols))
 
 
+def _drafter_fields(kw: dict | None) -> str:
+    """A drafter's recorded fields as the table says them: ', 8x smaller, <= 2,048 kept, int8 cache and weights'."""
+    kw = kw or {}
+    out = [f"{kw['ratio']:g}x smaller"] if "ratio" in kw else []
+    if "max_kept" in kw:
+        out.append(f"<= {num(kw['max_kept'])} kept")
+    cache, weights = kw.get("draft_dtype", "float32"), kw.get("draft_weights", "float32")
+    if cache != "float32" and cache == weights:
+        out.append(f"{cache} cache and weights")
+    else:
+        out += [f"{cache} cache"] * (cache != "float32") + [f"{weights} weights"] * (weights != "float32")
+    return "".join(", " + x for x in out)
+
+
 def render_scheduler(items) -> str:
     """Many requests under one memory budget: staggered and lock-step VeriCache vs full-cache batching."""
     rows_spec = [
         ("requests x prompt tokens", lambda c, by, d: f"{c['requests']} x {num(c['prompt_tokens'])}"),
-        ("drafter, x", lambda c, by, d: f"{drafter(c['compressor'])}"
-                                        + (f", {(c.get('compressor_kw') or {})['ratio']:g}x smaller"
-                                           if "ratio" in (c.get("compressor_kw") or {}) else "")
+        ("drafter, x", lambda c, by, d: f"{drafter(c['compressor'])}{_drafter_fields(c.get('compressor_kw'))}"
                                         + f", x = {c['draft_len']}"),
         ("budget (full caches)", lambda c, by, d: f"{c['budget_bytes'] / c['full_cache_bytes']:.2f}"),
         ("slots: full / VeriCache", lambda c, by, d: f"{by['full']['stats']['slots']} / "
@@ -441,16 +453,21 @@ def _find(doc, keys: tuple[str, ...]):
     return None
 
 
-def machine_line(docs: list) -> str:
-    """The CPU the files record (`lscpu` model name and L3), else the machine every unrecorded run used."""
-    seen = []
-    for doc in docs:
+def machine_line(docs: list, labels: list | None = None) -> str:
+    """The CPU the files record (`lscpu` model name and L3), else the machine every unrecorded run used; where the
+    files name more than one CPU and `labels` (one per doc) are given, which results ran on which."""
+    seen, by = [], {}
+    for i, doc in enumerate(docs):
         model, l3 = _find(doc, ("cpu_model", "cpu")), _find(doc, ("l3_cache",))
         if model:
             seen.append(f"{model}" + (f", {_find(doc, ('cpus',))} cores" if _find(doc, ("cpus",)) else "")
                         + (f", {l3} L3" if l3 else ""))
+            if labels is not None:
+                by.setdefault(seen[-1], []).append(labels[i])
     recorded = [s for s in dict.fromkeys(seen)]
     if recorded and len(seen) == len([d for d in docs if d is not None]):  # every file recorded its machine
+        if len(recorded) > 1 and by:
+            return "Machine: " + "; ".join(f"{m} ({', '.join(repr(x) for x in by[m])})" for m in recorded) + "."
         return "Machine: " + "; ".join(recorded) + "."
     if recorded:
         return f"Machine: {'; '.join(recorded)} (recorded); the others {DEFAULT_MACHINE} (not recorded in their files)."
@@ -470,7 +487,7 @@ def render_block(name: str, results, root: str) -> str:
     items = [(r, load(r, root)) for r in results if r.table == name]
     if not items:  # a block placed ahead of its first registry line
         return f"{PENDING} (no result registered for this table yet)"
-    lines = [RENDER[name](items), "", machine_line([d for _, d in items])]
+    lines = [RENDER[name](items), "", machine_line([d for _, d in items], [r.label for r, _ in items])]
     for r, doc in items:
         files = f"`{r.path}`" + (f", `{r.path[:-5]}.png`" if r.png else "")
         if doc is None:

@@ -15,7 +15,7 @@ def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
     out = tmp_path / "sched.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_scheduler.py"), "--random",
                         "--requests", "2", "--context", "512", "--new-tokens", "8", "--draft-len", "2",
-                        "--repeats", "1", "--compressor", "refresh", "--json", str(out)],
+                        "--repeats", "1", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -25,6 +25,10 @@ def test_bench_scheduler_runs_and_every_contender_is_exact(tmp_path):
     seq = doc["one_at_a_time"]  # plain decoding, one request after another: the CPU's unthrottled comparison
     assert seq["tokens_per_s"] > 0 and 0.0 <= seq["identical_fraction"] <= 1.0
     assert doc["ratios"]["lockstep_vs_one_at_a_time"] > 0
+    # no --compressor: the scheduler's own drafter, its fields recorded
+    config = doc["config"]
+    assert config["compressor_spec"] == "default" and config["compressor"] == "refresh"
+    assert config["compressor_kw"]["max_kept"] == 2048
 
 
 @pytest.mark.slow  # CI time; the task set is checked in tests/data/test_exact_tasks.py, VeriCache == full everywhere

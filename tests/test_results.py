@@ -165,6 +165,19 @@ def test_machine_line_prefers_what_the_files_record():
     peers = dict(meta=dict(cpu="AMD EPYC 9654"), records=[])  # bench_attention_peers records `cpu`
     assert rt.machine_line([doc, peers]) == "Machine: AMD EPYC 9654, 2 cores, 32 MiB (1 instance) L3; AMD EPYC 9654."
     assert rt.DEFAULT_MACHINE in rt.machine_line([dict(records=[])])
+    # columns from two machines: which ran where
+    xeon = dict(config=dict(cpu_model="Xeon", cpus=2))
+    assert rt.machine_line([doc, xeon, doc], ["a", "b", "c"]) == \
+        "Machine: AMD EPYC 9654, 2 cores, 32 MiB (1 instance) L3 ('a', 'c'); Xeon, 2 cores ('b')."
+    assert rt.machine_line([doc, doc], ["a", "c"]) == "Machine: AMD EPYC 9654, 2 cores, 32 MiB (1 instance) L3."
+
+
+def test_scheduler_drafter_cell_names_its_fields():
+    assert rt._drafter_fields(dict(ratio=8.0)) == ", 8x smaller"
+    assert rt._drafter_fields(dict(max_kept=2048, draft_dtype="int8", draft_weights="int8")) == \
+        ", <= 2,048 kept, int8 cache and weights"
+    assert rt._drafter_fields(dict(draft_dtype="bfloat16", draft_weights="int8")) == ", bfloat16 cache, int8 weights"
+    assert rt._drafter_fields(None) == ""
 
 
 def test_cli_lists_dry_runs_and_rejects_unknown_names(capsys):
