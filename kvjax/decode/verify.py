@@ -114,24 +114,30 @@ _OFFLOADED = dict(static_argnames=("temperature", "rejection", "family", "impl")
 verify_fetched = jax.jit(_verify_offloaded, **_OFFLOADED)  # `verify_offloaded`'s program for a fetched host part
 
 
-_LENT: dict = {}  # (device, static arguments) -> `lent_verifier`'s program
+_LENT: dict = {}  # (body, device, static arguments) -> `lent_verifier`'s program
 
 
-def lent_verifier(device, temperature: float, rejection: bool, family, impl: str):
+def lent_verifier(device, temperature: float, rejection: bool, family, impl: str, body=None, n_args: int = 11):
     """`verify_offloaded`'s program for a host part lent on `device` (`offload.lends`), its static arguments bound:
     every argument's and output's memory kind given -- JAX pairs a donated input with an output of its shape
     whatever their memories unless it knows all of them, and a host buffer handed to a device output aborts the
     process (a tail as long as the prompt's capacity did). Positional arguments only (jit takes no keyword
-    arguments with `in_shardings`)."""
-    key = (device, temperature, rejection, family, impl)
+    arguments with `in_shardings`).
+
+    `body` (default `_verify_offloaded`): a program laid out as it is -- `n_args` positional arguments of which the
+    third is the host part, the fourth the device part and the seventh the draft state (those three donated), seven
+    outputs of which the last is the committed cache -- e.g. the scheduler's verify with its row hand-offs
+    (`kvjax.scheduling.batch_steps.verify_row`)."""
+    body = _verify_offloaded if body is None else body
+    key = (body, n_args, device, temperature, rejection, family, impl)
     if key not in _LENT:
         host, dev = offl.shardings(device)
-        ins = (dev, dev, host) + (dev,) * 8  # params, config, host_part, device_part, length, ..., seed
-        fn = functools.partial(_verify_offloaded, temperature=temperature, rejection=rejection, family=family,
-                               impl=impl)
+        ins = (dev, dev, host) + (dev,) * (n_args - 3)  # params, config, host_part, device_part, length, ..., seed
+        fn = functools.partial(body, temperature=temperature, rejection=rejection, family=family, impl=impl)
         _LENT[key] = jax.jit(fn, in_shardings=ins, out_shardings=(dev,) * 6 + (host,), donate_argnums=(2, 3, 6))
     return _LENT[key]
 
 
 # `verify_offloaded` is two kinds of program: compiles are counted over both (`kvjax.decode.metrics.jit_cache_sizes`)
-verify_offloaded._cache_size = lambda: verify_fetched._cache_size() + sum(f._cache_size() for f in _LENT.values())
+verify_offloaded._cache_size = lambda: verify_fetched._cache_size() + sum(
+    f._cache_size() for key, f in _LENT.items() if key[0] is _verify_offloaded)

@@ -6,12 +6,12 @@ every model family.
   state untouched (masked writes drop the row, the length does not move). Compiled once per (slot count, x, steps).
   The family's `draft_split` separates the loop-invariant part of a draft cache (Llama: the compressed prompt parts)
   from what drafting changes, so the invariant part is not carried through the loop.
-- `take_row` / `put_row`: one request's changing draft state out of / back into the slot batch around its own
-  (B = 1) verification. The invariant part never moves: the row handed to the verify step carries none of it
-  (`draft_join(None, ...)`), which the family's `draft_commit` never reads.
-- `verify_drafts`: the row's drafted tokens padded with -1 beyond `count`: a -1 never equals a full-cache token, so a
-  partial round (fewer than x drafts) verifies exactly through the same x-row verify shape (rows after the first
-  mismatch are rolled back, and row j's logits do not depend on later rows — the premise of the exactness contract).
+- `verify_row`: one request's (B = 1) verification with its changing draft state taken out of the slot batch and
+  written back in the same program. The invariant part never moves: the row verified carries none of it
+  (`draft_join(None, ...)`), which the family's `draft_commit` never reads. The row's drafted tokens are padded
+  with -1 beyond `count`: a -1 never equals a full-cache token, so a partial round (fewer than x drafts) verifies
+  exactly through the same x-row verify shape (rows after the first mismatch are rolled back, and row j's logits do
+  not depend on later rows — the premise of the exactness contract).
 - `put_slot_row` / `empty_slots` / `pad_row`: admission of a freshly compressed draft cache into a slot.
 - `full_batch_step`, `put_layer_row`: the full-cache baseline (plain one-token forward over a batch of slots).
 """
@@ -23,7 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.decode import offload as offl
 from kvjax.decode import sampling
+from kvjax.decode import verify as verify_mod
 
 # leaves named like this hold positions: empty is -1, not 0
 _POSITION_FIELDS = ("pos",)
@@ -85,38 +87,57 @@ def draft_slots(params, config, dbatch, last: jax.Array, drafts: jax.Array, coun
     return family.draft_join(frozen, live), drafts, count
 
 
-def take_row(dbatch, drafts: jax.Array, count: jax.Array, slot: jax.Array, *, family):
-    """Slot `slot`'s changing draft state as a B = 1 draft cache (no invariant part), and its drafts i32[1, x]
-    (-1 beyond count). Only the changing part enters the jitted call: a call pays per array it is handed, and the
-    invariant part is most of a draft batch's arrays (`put_row` likewise)."""
-    return _take_live(family.draft_split(dbatch)[1], drafts, count, slot, family=family)
+def verify_row(params, config, host_part, device_part, length, prompt_len, dbatch, drafts: jax.Array,
+               count: jax.Array, slot: jax.Array, last, qlog, seed, *, temperature: float = 0.0, family, impl: str):
+    """Slot `slot`'s B = 1 offloaded verification (`decode.verify.verify_offloaded`, the same arguments but for the
+    draft state) with its row hand-offs in the same program: the slot's changing draft state taken out of the batch,
+    its drafts i32[1, x] (-1 beyond count), the verification, and the committed row's changing state written back
+    into the slot (the batch's changing part donated: updated in place). One call per verification instead of three
+    (take, verify, put: measured, the bundled model's 8 x 16K scheduler run, interleaved ...). Only the changing part
+    enters the call: a call pays per array it is handed, and the invariant part (the compressed prompt parts, which
+    `draft_commit` never reads) is most of a batch's arrays.
+
+    Returns:
+        (emitted, n, device_part, dbatch, row, aux, scratch): `verify_offloaded`'s outputs with the updated batch in
+        place of the row's logits, and the committed B = 1 row (no invariant part), which a refreshing drafter
+        re-selects from `scratch` (`put_parts` writes its new prompt parts).
+    """
+    frozen, live = family.draft_split(dbatch)
+    args = (params, config, host_part, device_part, length, prompt_len, live, drafts, count, slot, last, qlog, seed)
+    if offl.lends(host_part):
+        program = verify_mod.lent_verifier(offl.device_of(host_part), temperature, False, family, impl,
+                                           body=_verify_row, n_args=len(args))
+        out = program(*args)
+    else:
+        out = _verify_row_fetched(*args, temperature=temperature, rejection=False, family=family, impl=impl)
+    emitted, n, device_part, live, row, aux, scratch = out
+    return emitted, n, device_part, family.draft_join(frozen, live), row, aux, scratch
 
 
-@functools.partial(jax.jit, static_argnames="family")
-def _take_live(live, drafts: jax.Array, count: jax.Array, slot: jax.Array, *, family):
+def _verify_row(params, config, host_part, device_part, length, prompt_len, live, drafts, count, slot, last, qlog,
+                seed, *, temperature: float, rejection: bool, family, impl: str):
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, 0)  # noqa: E731
     row = family.draft_join(None, jax.tree.map(take, live))
-    d = take(drafts)
-    c = take(count)
+    d, c = take(drafts), take(count)
     d = jnp.where(jnp.arange(d.shape[1])[None, :] < c[:, None], d, -1)
-    return row, d
+    emitted, n, device_part, row, _, aux, scratch = verify_mod._verify_offloaded(
+        params, config, host_part, device_part, length, prompt_len, row, last, d, qlog, seed,
+        temperature=temperature, rejection=rejection, family=family, impl=impl)
+    live = jax.tree.map(lambda a, r: put_slot(a, r, slot), live, family.draft_split(row)[1])
+    return emitted, n, device_part, live, row, aux, scratch
 
 
-def put_row(dbatch, row, slot: jax.Array, *, family):
-    """Write a B = 1 row's changing state (from `take_row`, after verification) back into slot `slot` (the batch's
-    changing part is donated: updated in place)."""
-    frozen, live = family.draft_split(dbatch)
-    return family.draft_join(frozen, _put_live(live, family.draft_split(row)[1], slot))
+_verify_row_fetched = jax.jit(_verify_row, static_argnames=("temperature", "rejection", "family", "impl"),
+                              donate_argnames=("host_part", "device_part", "live"))
 
 
-@functools.partial(jax.jit, donate_argnames="live")
-def _put_live(live, row_live, slot: jax.Array):
-    return jax.tree.map(lambda a, r: put_slot(a, r, slot), live, row_live)
+def _verify_row_compiles() -> int:
+    """Compiles of `verify_row`'s programs, fetched and lent (`kvjax.decode.metrics.jit_cache_sizes`)."""
+    lent = sum(f._cache_size() for key, f in verify_mod._LENT.items() if key[0] is _verify_row)
+    return _verify_row_fetched._cache_size() + lent
 
 
-# their compiles are their jitted halves' (`kvjax.decode.metrics.jit_cache_sizes`, the no-recompile tests)
-take_row._cache_size = _take_live._cache_size
-put_row._cache_size = _put_live._cache_size
+verify_row._cache_size = _verify_row_compiles
 
 
 @functools.partial(jax.jit, static_argnames="family", donate_argnames="dbatch")

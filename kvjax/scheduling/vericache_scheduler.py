@@ -6,7 +6,7 @@ compressed prompt + recent ring) and a small tail (its decoded tokens' exact KV)
 host memory. One iteration of the scheduler:
 
 1. verify the requests that are due, each through the B = 1 offloaded verify step (`decode.verify.verify_offloaded`)
-   on its full cache, fetched beforehand; accepted tokens refresh its draft state (`batch_steps.take_row/put_row`);
+   on its full cache, fetched beforehand; accepted tokens refresh its draft state (both in `batch_steps.verify_row`);
 2. admit waiting requests that fit the budget and a free slot (continuous batching; requests arrive at iterations);
 3. start the host->device copies of the full caches of the requests due next (asynchronous `jax.device_put`, at most
    `verify_slots` full caches on the device at once), then dispatch one batched draft call over all slots
@@ -48,7 +48,6 @@ from kvjax.arrays import tree_nbytes
 from kvjax.cache.capacity import CAPACITY_BUCKETS, pick_capacity
 from kvjax.decode import offload as offl
 from kvjax.decode import vericache as vc
-from kvjax.decode import verify as verify_mod
 from kvjax.decode.draft_weights import draft_params
 from kvjax.decode.refresh import refresh_step
 from kvjax.errors import BudgetError, InputError
@@ -367,20 +366,21 @@ class VeriCacheScheduler:
         r = self.live[s]
         cfg, params = self.model.config, self.model.verify_params()
         fam = self.model.family
-        row, d = ss.take_row(self.batch, self.drafts, self.count.copy(), np.int32(s), family=fam)
-        emitted, n, tail, row, _, aux, scratch = verify_mod.verify_offloaded(
+        # the slot's row verified and its accepted tokens written back into the batch, in one call
+        emitted, n, tail, self.batch, row, aux, scratch = ss.verify_row(
             params, cfg, fetched, r.tail, np.asarray([r.length], np.int32), np.asarray([r.prompt_len], np.int32),
-            row, self.last[s:s + 1].copy(), d, self.qdummy, self.seeds[s:s + 1].copy(),
-            temperature=self.temperature, family=fam, impl=self.model.attention)
+            self.batch, self.drafts, self.count.copy(), np.int32(s), self.last[s:s + 1].copy(), self.qdummy,
+            self.seeds[s:s + 1].copy(), temperature=self.temperature, family=fam, impl=self.model.attention)
         spec = getattr(self.batch, "refresh", None)
         reselect = False
         if spec is not None:
             reselect, r.since_refresh = spec.after_verify(r.since_refresh, self.x)
         if reselect:
-            # re-select from the full cache just fetched for the verification: no extra transfer
+            # re-select from the full cache just fetched for the verification (no extra transfer): only the prompt
+            # parts change (`refresh_draft`), and the row's changing state is in the batch already
             row = refresh_step(row, scratch, aux, family=fam)
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
-        self.batch = ss.put_row(self.batch, row, np.int32(s), family=fam)
+        del row
         n_host = int(np.asarray(n)[0])  # waits for the verification: its full-cache slot is free after this
         if r.host_kv is None:  # lent (`offload.lends`): the verify hands the host copy back
             r.host_kv = offl.take_back(fam, scratch)

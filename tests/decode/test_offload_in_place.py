@@ -118,13 +118,13 @@ def test_a_request_owning_its_prefilled_cache_lends_it_without_a_copy(llama, mon
     full, first = prefill_request(llama, prompt, 20, draft_len=4)
     own = set(_pointers(full))
     lent = []
-    verify = sch.verify_mod.verify_offloaded
+    verify = sch.ss.verify_row
 
     def verify_spy(params, config, host_part, *a, **k):
         lent.append(set(_pointers(host_part)))
         return verify(params, config, host_part, *a, **k)
 
-    monkeypatch.setattr(sch.verify_mod, "verify_offloaded", verify_spy)
+    monkeypatch.setattr(sch.ss, "verify_row", verify_spy)
     s = sch.VeriCacheScheduler(llama, budget_bytes=1 << 40, draft_len=4, mode="lockstep", compressor="streaming",
                                compressor_kw=dict(ratio=4.0))
     res = s.run([Request(prompt=prompt, max_new_tokens=20, prefilled=(full, first), own_prefilled=True)])

@@ -10,7 +10,6 @@ import pytest
 from kvjax import load
 from kvjax.cache.draft import DraftCache
 from kvjax.compress import make_compressor
-from kvjax.decode import verify
 from kvjax.scheduling import requests
 from kvjax.scheduling import vericache_scheduler as sch
 from kvjax.scheduling import batch_steps as ss
@@ -102,7 +101,7 @@ def test_no_recompiles_when_warm(llama, workload, compile_count):
     reqs, refs, F = workload
     s = sch.VeriCacheScheduler(llama, budget_bytes=6 * F, draft_len=X, compressor="streaming", compressor_kw=dict(ratio=4.0))
     s.run(reqs[:3])  # warm (the parametrized test above usually compiled these already)
-    fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, verify.verify_offloaded)
+    fns = (ss.draft_slots, ss.verify_row, ss.put_slot_row, ss.put_parts)
     before = [compile_count(f) for f in fns]
     res = s.run(reqs)
     assert_every_request_exact(res, refs)

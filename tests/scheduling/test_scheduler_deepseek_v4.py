@@ -11,7 +11,6 @@ from builders import assert_every_request_exact, make_v4
 
 import kvjax
 from kvjax.decode import vericache as vc
-from kvjax.decode import verify
 from kvjax.scheduling import batch_steps as ss
 from kvjax.scheduling import requests
 from kvjax.scheduling import vericache_scheduler as sch
@@ -60,7 +59,7 @@ def test_schedulers_exact_within_budget_and_warm(model, workload, compile_count)
     reqs, refs, F = workload
     s = sch.VeriCacheScheduler(model, budget_bytes=BUDGET * F, draft_len=X)
     s.run(reqs[:2])
-    fns = (ss.draft_slots, ss.take_row, ss.put_row, ss.put_slot_row, verify.verify_offloaded)
+    fns = (ss.draft_slots, ss.verify_row, ss.put_slot_row, ss.put_parts)
     before = [compile_count(f) for f in fns]
     res = s.run(reqs)
     assert [compile_count(f) for f in fns] == before
