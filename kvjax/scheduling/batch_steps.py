@@ -93,9 +93,10 @@ def verify_row(params, config, host_part, device_part, length, prompt_len, dbatc
     draft state) with its row hand-offs in the same program: the slot's changing draft state taken out of the batch,
     its drafts i32[1, x] (-1 beyond count), the verification, and the committed row's changing state written back
     into the slot (the batch's changing part donated: updated in place). One call per verification instead of three
-    (take, verify, put: measured, the bundled model's 8 x 16K scheduler run, interleaved ...). Only the changing part
-    enters the call: a call pays per array it is handed, and the invariant part (the compressed prompt parts, which
-    `draft_commit` never reads) is most of a batch's arrays.
+    (take, verify, put; measured, the bundled model's 8 x 16K lock-step run, 8 alternated runs each in one process:
+    wall 0.991x, verification phase 0.990x). Only the changing part enters the call: a call pays per array it is
+    handed, and the invariant part (the compressed prompt parts, which `draft_commit` never reads) is most of a
+    batch's arrays.
 
     Returns:
         (emitted, n, device_part, dbatch, row, aux, scratch): `verify_offloaded`'s outputs with the updated batch in
