@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import time
@@ -20,9 +21,8 @@ def bench_suites() -> dict[str, str]:
                 src = fh.read()
             if '__name__ == "__main__"' not in src:  # a helper module of the benchmarks, not one itself
                 continue
-            head = src[:2000]
-            doc = head.split('"""')[1].strip().splitlines()[0] if head.count('"""') >= 2 else ""
-            out[f[len("bench_"):-3]] = doc
+            doc = ast.get_docstring(ast.parse(src)) or ""  # the module docstring, however long
+            out[f[len("bench_"):-3]] = doc.strip().splitlines()[0] if doc.strip() else ""
     return out
 
 
