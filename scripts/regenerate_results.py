@@ -185,7 +185,7 @@ RESULTS: tuple[Result, ...] = (
     Result("scheduler_smollm2_6x4k", "scheduler", "SmolLM2, 6 x 4K", "scripts/bench_scheduler.py",
            (*SMOLLM2, "--requests", "6", "--context", "4096", "--new-tokens", "64", "--compressor", "refresh",
             "--draft-len", "16", "--json", f"{RESULTS_DIR}/scheduler_smollm2_6x4k.json"), 15, png=True),
-    Result("scheduler_tiny_8x16k", "scheduler", "tiny, 8 x 16K", "scripts/bench_scheduler.py",
+    Result("scheduler_tiny_8x16k", "scheduler", "tiny, 8 x 16K, x = 8", "scripts/bench_scheduler.py",
            ("--requests", "8", "--context", "16384", "--new-tokens", "128", "--compressor", "refresh",
             "--json", f"{RESULTS_DIR}/scheduler_tiny_8x16k.json"), 15, png=True),
     Result("scheduler_tiny_8x16k_x4", "scheduler", "tiny, 8 x 16K, x = 4", "scripts/bench_scheduler.py",
