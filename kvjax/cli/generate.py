@@ -333,7 +333,6 @@ def _compare_full(args, model, ids, g) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.arrays import same_shapes
     from kvjax.cache.capacity import pick_capacity
     from kvjax.decode import steps, vericache
     from kvjax.decode.sampling import Sampling
@@ -348,8 +347,7 @@ def _compare_full(args, model, ids, g) -> dict:
     identical = bool(np.array_equal(ref, g.tokens))
     with progress_bar(2 * TIMING_RUNS, "full-cache decode and VeriCache (timing, alternated)") as bar:
         capacity = pick_capacity(ids.size + len(g) + 2)
-        fresh = jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity, model.cache_dtype))
-        if state is not None and same_shapes(state[1], fresh):
+        if state is not None and vericache.shaped_as_cache(model, state[1], capacity):
             logits, cache = state  # every timed run decodes a copy of it
         else:
             cache = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)

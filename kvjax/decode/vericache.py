@@ -336,10 +336,15 @@ def reference_decode(model, prompt_ids, max_new_tokens: int, *, draft_len: int =
 
 def prefilled_copy(model, full, capacity: int):
     """A copy of a prefilled cache `full`, checked to be shaped as a fresh cache of `capacity` (ValueError if not)."""
-    want = jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity, model.cache_dtype))
-    if not same_shapes(full, want):
+    if not shaped_as_cache(model, full, capacity):
         raise ValueError(f"the prefilled cache is not shaped as a cache of capacity {capacity} for this model")
     return jax.tree.map(jnp.copy, full)
+
+
+def shaped_as_cache(model, full, capacity: int) -> bool:
+    """Whether `full` has the shapes of `model`'s fresh B = 1 cache of `capacity` (nothing is allocated to tell)."""
+    return same_shapes(full, jax.eval_shape(lambda: model.family.init_cache(model.config, 1, capacity,
+                                                                            model.cache_dtype)))
 
 
 def _margin(logits) -> float:
