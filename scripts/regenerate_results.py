@@ -158,10 +158,11 @@ RESULTS: tuple[Result, ...] = (
                     "refresh:ratio=8:draft_dtype=bfloat16:draft_weights=bfloat16",
                     "--offload", "none", "--no-baselines", "--no-lossy"), 10), table="vericache_cheap_drafts"),
     dataclasses.replace(
-        _vericache("vericache_tiny_32k_default", "tiny, 32K, 8 prompts: the default drafter (2K kept, bf16)",
+        _vericache("vericache_tiny_32k_default", "tiny, 32K, 8 prompts: the default drafter (2K kept, int8) and bf16's",
                    ("--context", "32768", "--new-tokens", "128", "--prompts", "8", "--draft-len", "8,16",
-                    "--compressors", "refresh:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048,refresh",
-                    "--adaptive", "refresh:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048",
+                    "--compressors", "refresh:draft_dtype=int8:draft_weights=int8:max_kept=2048,"
+                    "refresh:draft_dtype=bfloat16:draft_weights=bfloat16:max_kept=2048",
+                    "--adaptive", "refresh:draft_dtype=int8:draft_weights=int8:max_kept=2048",
                     "--offload", "none", "--no-baselines", "--no-lossy"), 12), table="vericache_cheap_drafts"),
     dataclasses.replace(
         _vericache("vericache_smollm2_8k_draft_bf16", "SmolLM2, 8K: bf16 draft cache and weights",
