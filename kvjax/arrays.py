@@ -39,6 +39,28 @@ def same_shapes(a, b) -> bool:
     return all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def device_space(tree):
+    """(Traced) every leaf in device memory space: host arguments moved (on the CPU an alias: XLA:CPU elides the
+    transfer, the buffers stay where they are), the others untouched -- a placement on a device value would pin its
+    results' memory kind, and arrays carrying it are another jit cache key (measured: every step compiled twice).
+    So a jitted function that starts with it reads host memory lent to it (`kvjax.decode.offload.lends`)."""
+    host = jax.memory.Space.Host
+    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if jax.typeof(a).memory_space == host
+                        else a, tree)
+
+
+def in_device_memory(tree):
+    """(Eager) `tree` with every array that lies in host memory ("pinned_host") copied into its device's memory, the
+    others as they are."""
+    def move(a):
+        sharding = getattr(a, "sharding", None)
+        if getattr(sharding, "memory_kind", None) != "pinned_host":
+            return a
+        return jax.device_put(a, sharding.with_memory_kind("device"))
+
+    return jax.tree.map(move, tree)
+
+
 def tree_identity(tree) -> tuple[tuple[int, ...], list]:
     """(the ids of `tree`'s leaves, the leaves): a key for "made from these very arrays" -- a leaf replaced anywhere in
     the tree, even inside a dict held in place, changes it. A cache keyed on it must hold the leaves (returned for that)

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.arrays import in_device_memory
 from kvjax.cache.draft import DraftCache, DraftLayer, Int8KV, RecentKV, SparseKV
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.models.llama.config import ModelConfig
@@ -163,6 +164,14 @@ class Compressor:
                                           or self.max_kept < 32):
             raise ValueError(f"max_kept (kept tokens per head) must be an integer >= 32 or None, got {self.max_kept!r}")
 
+    @property
+    def reads_host_memory(self) -> bool:
+        """Whether `__call__` may be handed a prefilled cache that lies in host memory ("pinned_host") where a jit
+        reads it in place (the CPU, `kvjax.decode.offload.lends`): the scheduler then compresses the request's host
+        copy instead of fetching a device copy first. Only drafters whose every read of the cache is such a jit say
+        yes (`Refresh`); the draft cache is made in device memory either way."""
+        return False
+
     def budget(self, prompt_len: int) -> int:
         """Kept slots per head for a prompt of `prompt_len` tokens (static; a multiple of 32; at most `max_kept`)."""
         kept = prompt_len / self.ratio if self.max_kept is None else min(prompt_len / self.ratio, self.max_kept)
@@ -190,6 +199,7 @@ class Compressor:
         for i, form in enumerate(full.layers):
             K, D = form.k.shape[1], form.k.shape[3]
             if isinstance(form, WindowKV):
+                form = in_device_memory(form)  # (a cache in host memory: its window copied to the device first)
                 # copies: the draft cache is donated to the draft step, the full cache must survive it
                 parts = (SparseKV(k=jnp.array(form.k, copy=True), v=jnp.array(form.v, copy=True),
                                   pos=form.slot_positions()),)
@@ -199,4 +209,5 @@ class Compressor:
                 parts = self.layer_parts(i, form, full.length, prompt_len, data)
                 ring = RecentKV.empty(B, K, recent_slots, D, form.k.dtype)
                 layers.append(DraftLayer(parts=tuple(parts), recent=ring, window=None))
-        return DraftCache(layers=tuple(layers), length=jnp.array(full.length, copy=True))  # own buffer: donated later
+        draft = DraftCache(layers=tuple(layers), length=jnp.array(full.length, copy=True))  # own buffer: donated later
+        return in_device_memory(draft)  # (from a cache in host memory: its length and sliding windows, copied there)

@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.arrays import device_space
 from kvjax.cache.dense import DenseKV, ModelCache
 from kvjax.cache.draft import DraftCache, QuantizedBulk, QuantizedKV
 from kvjax.compress.base import Compressor, gather_blocks, gather_tokens, round_up, sparse_part
@@ -118,7 +119,8 @@ def selected_parts(form, pos: jax.Array, bulk: QuantizedBulk | None, block: int,
 def _first_selection(form, mass, length, bulk, *, spec: RefreshSpec, block: int, dtype: str) -> tuple:
     """A layer's first selection and its parts as one program: op by op, its ~20 small operations cost ~2.5 ms of
     dispatch a layer (the bundled model at 16K: the compression 22 ms, 13 of them dispatch; SmolLM2's 30 layers
-    ~75 of 139 ms), paid at every admission."""
+    ~75 of 139 ms), paid at every admission. A prefilled layer lent from host memory is read in place."""
+    form, length = device_space((form, length))
     return selected_parts(form, select_blocks(mass, length, spec), bulk, block, dtype)
 
 
@@ -190,6 +192,12 @@ class Refresh(Compressor):
             raise ValueError(f"bulk_bits must be 0 (no quantized bulk), 2 or 4, got {self.bulk_bits}")
         if self.bulk_bits:
             object.__setattr__(self, "name", f"refresh_kivi{self.bulk_bits}")
+
+    @property
+    def reads_host_memory(self) -> bool:
+        """Whether this drafter compresses a prefilled cache lent from host memory in place (`Compressor`): its first
+        selection reads the cache in jitted programs that take host arguments; a quantized bulk is built eagerly."""
+        return not self.bulk_bits
 
     def spec(self, prompt_len: int) -> RefreshSpec:
         budget_blocks = max(self.sink_blocks + self.recent_blocks + 1, -(-self.budget(prompt_len) // self.block))

@@ -19,7 +19,7 @@ import functools
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from kvjax.arrays import same_shapes
+from kvjax.arrays import device_space, same_shapes  # noqa: F401 - device_space: part of this module's interface
 
 
 def shardings(device=None):
@@ -79,15 +79,6 @@ def lends(host_tree) -> bool:
 def device_of(tree):
     """The device of the first array in `tree`."""
     return next(iter(jax.tree.leaves(tree)[0].devices()))
-
-
-def device_space(tree):
-    """(Traced) every leaf in device memory space: host arguments moved (on the CPU an alias: XLA:CPU elides the
-    transfer, the buffers stay where they are), the others untouched -- a placement on a device value would pin its
-    results' memory kind, and arrays carrying it are another jit cache key (measured: every step compiled twice)."""
-    host = jax.memory.Space.Host
-    return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device) if jax.typeof(a).memory_space == host
-                        else a, tree)
 
 
 def host_space(tree):

@@ -466,7 +466,9 @@ class VeriCacheScheduler:
         prompt = np.asarray(req.prompt, np.int32).reshape(-1)
         if req.prefilled is not None:
             full, first = req.prefilled
-            full = offl.fetch(full)
+            # compressed where it lies if the drafter reads lent host memory (the CPU), else from a device copy
+            if not (offl.lends(full) and getattr(self.comp, "reads_host_memory", False)):
+                full = offl.fetch(full)
         else:
             full, first = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
                                          temperature=self.temperature, seed=req.seed)

@@ -130,3 +130,29 @@ def test_a_request_owning_its_prefilled_cache_lends_it_without_a_copy(llama, mon
     res = s.run([Request(prompt=prompt, max_new_tokens=20, prefilled=(full, first), own_prefilled=True)])
     np.testing.assert_array_equal(res.outputs[0], ref)
     assert lent and all(p <= own for p in lent)  # every verify read the request's own buffers
+
+
+def test_refresh_compresses_a_prefilled_host_cache_where_it_lies(llama, monkeypatch):
+    """The refreshing drafter reads a prefilled cache lent from host memory in place (`reads_host_memory`): the same
+    draft, bit for bit, as from a device copy, made in device memory; the scheduler then fetches no copy for the
+    compression, and its tokens are still the reference's."""
+    prompt = _prompt(120, 30)
+    full, first = prefill_request(llama, prompt, 20, draft_len=4)  # in host memory, like a prefix hit
+    comp = llama.family.make_compressor("refresh", model=llama, max_kept=64)
+    assert comp.reads_host_memory and not llama.family.make_compressor("streaming").reads_host_memory
+    a = comp(llama.params, llama.config, offl.fetch(full), prompt, recent_slots=32)
+    b = comp(llama.params, llama.config, full, prompt, recent_slots=32)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert y.sharding.memory_kind == "device"
+
+    fetched = []
+    fetch = offl.fetch
+    monkeypatch.setattr(offl, "fetch", lambda tree, *a, **k: fetched.append(tree) or fetch(tree, *a, **k))
+    ref = reference_decode(llama, prompt, 20, draft_len=4).tokens
+    s = sch.VeriCacheScheduler(llama, budget_bytes=1 << 40, draft_len=4, mode="lockstep", compressor="refresh",
+                               compressor_kw=dict(max_kept=64))
+    res = s.run([Request(prompt=prompt, max_new_tokens=20, prefilled=(full, first))])
+    np.testing.assert_array_equal(res.outputs[0], ref)
+    assert not any(t is full for t in fetched)  # the prefilled cache was never copied to the device

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.arrays import device_space
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
 from kvjax.models.attention import attention, canonical_attention
 from kvjax.models.attention_scores import attention_with_block_mass, block_mass
@@ -80,6 +81,7 @@ def prompt_block_masses(params, config: ModelConfig, cache: ModelCache, tokens: 
     positions start + t put on the prefilled cache (which already holds them; it is read, never written): from the
     attention's own pass where the native kernel runs it and can sum `block`-slot groups, else scored from the
     queries (`block_mass`)."""
+    cache = device_space(cache)  # a prefilled cache lent from host memory is read in place
     T = tokens.shape[1]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
