@@ -51,17 +51,9 @@ from bench_common import heldout_prompts, load_bench_model, parse_drafter_spec, 
 COMPRESSOR_KW = {"streaming": dict(ratio=8.0), "snapkv": dict(ratio=8.0, obs_window=32),
                  "kvzip": dict(ratio=8.0, chunk=2048), "kivi4": dict(residual=128), "kivi2": dict(residual=128),
                  "refresh": dict(ratio=8.0), "refresh_kivi4": {},
-                 "default": {}}  # the scheduler's own drafter (`default_drafter`)
+                 "default": {}}  # the scheduler's own drafter (`Family.default_drafter`)
 
 
-
-
-def default_drafter(model, fields: dict) -> tuple[str, dict]:
-    """(name, fields) of the drafter `VeriCacheScheduler` makes when given no compressor (the family's default and
-    its default fields for `model`), under `fields`."""
-    fam = model.family
-    base = fam.default_compressor_kw(model) if fam.default_compressor_kw is not None else {}
-    return fam.default_compressor, {**base, **fields}
 
 
 def reference(model, prefilled, M: int, x: int) -> np.ndarray:
@@ -172,8 +164,8 @@ def main(argv=None):
     prompts, source = heldout_prompts(model, model_name, P, R, args.seed)
     comp_name, ckw = parse_drafter_spec(args.compressor, COMPRESSOR_KW,
                                         {} if args.ratio is None else {"ratio": args.ratio}, "bench_scheduler")
-    if comp_name == "default":
-        comp_name, ckw = default_drafter(model, ckw)
+    if comp_name == "default":  # what VeriCacheScheduler drafts with when given no compressor
+        comp_name, ckw = model.family.default_drafter(model, **ckw)
 
     t0 = time.perf_counter()
     pre = [requests.prefill_request(model, p, M, draft_len=x) for p in prompts]

@@ -288,7 +288,7 @@ def _run_vericache(model, ids, args, text: TextStream):
     # run again between its full-cache timings from it
     args.prefilled = kept.get("state")
     args.rerun_vericache = lambda: api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg,
-                                                     prefilled=kept["state"])
+                                                     prefilled=args.prefilled)
     return g, g.stats
 
 

@@ -107,14 +107,18 @@ class Family:
             raise UnsupportedFeatureError(self.name, feature)
         return fn
 
+    def default_drafter(self, model=None, **kw) -> tuple[str, dict]:
+        """(name, fields) of the draft maker used when none is named: `default_compressor` with
+        `default_compressor_kw(model)` under the given `kw`."""
+        base = self.default_compressor_kw(model) if self.default_compressor_kw is not None else {}
+        return self.default_compressor, {**base, **kw}
+
     def make_compressor(self, name_or_compressor, *, model=None, **kw):
         """A draft maker of this family by name (`compressors`; None: `default_compressor` with
         `default_compressor_kw(model)` under the given `kw` -- `model`, when given, the one it will draft for), or the
         object itself when already one."""
         if name_or_compressor is None:
-            name_or_compressor = self.default_compressor
-            if self.default_compressor_kw is not None:
-                kw = {**self.default_compressor_kw(model), **kw}
+            name_or_compressor, kw = self.default_drafter(model, **kw)
         if not isinstance(name_or_compressor, str):
             return name_or_compressor
         make = self.require("compressor", "VeriCache draft caches")
