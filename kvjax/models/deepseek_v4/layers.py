@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from kvjax.models.rope import RopeConfig, rope_inv_freq
 from kvjax.models.attention import MASK_VALUE
+from kvjax.models.layers import trig_tables
 
 F32 = jnp.float32
 
@@ -27,7 +28,7 @@ def rope_tables(rope: RopeConfig, rope_dim: int, positions: jax.Array) -> tuple[
     """Half-width cos/sin f32[..., rope_dim // 2] for integer `positions` (one angle per interleaved pair)."""
     inv, scale = rope_inv_freq(rope, rope_dim)
     freqs = positions.astype(F32)[..., None] * jnp.asarray(inv, F32)
-    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+    return trig_tables(freqs, scale)  # computed once, not in every use (`kvjax.models.layers.trig_tables`)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
