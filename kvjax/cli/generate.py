@@ -316,7 +316,10 @@ def _log_plan(plan) -> None:
         log(f"prefix cache: {plan}")
 
 
-TIMING_RUNS = 3  # --compare-full: full-cache and VeriCache timings each, alternated (medians reported)
+# --compare-full: full-cache and VeriCache timings each, alternated (medians reported). Five, not three: on a shared
+# 2-core machine one slow run in three moved the median ratio of SmolLM2's 8K command from ~1.6x to 1.48x (last stop's
+# three runs: 1.48x, 1.75x, 1.48x); each more pair costs ~5 s of that ~75 s command.
+TIMING_RUNS = 5
 
 
 def _compare_full(args, model, ids, g) -> dict:
@@ -520,7 +523,7 @@ def register(sub) -> None:
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",
                    help="also run full-cache decoding: identity check, and the throughput ratio of the medians "
-                        "of three timings each, alternated")
+                        f"of {TIMING_RUNS} timings each, alternated")
     m = g.add_argument_group("devices and timing")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh over heads, default 1)")
     m.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")

@@ -12,6 +12,7 @@ from builders import BUNDLED, cli_error
 
 import kvjax
 from kvjax import cli
+from kvjax.cli import generate
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt", ""], "--prompt is empty"),
@@ -47,11 +48,11 @@ def test_no_warmup_compare_full_times_only_compiled_rounds(capsys):
     assert res["identical_to_full_cache"] is True and res["compile_rounds"] >= 1
     assert res["timed_rounds"] + res["compile_rounds"] == res["verifications"]
     summary = [x for x in cap.err.splitlines() if x.startswith("summary:")][0]
-    # the speedup is the ratio of the medians of alternated timings: 3 full-cache runs (compiled first) and 3
-    # VeriCache runs, the first being the one above, which counts among them only when it had compiled rounds to time
-    times = res["timing_runs"]
-    assert len(times["full_cache_tokens_per_s"]) == 3
-    assert len(times["vericache_tokens_per_s"]) == (3 if res["tokens_per_s"] is not None else 2)
+    # the speedup is the ratio of the medians of alternated timings: TIMING_RUNS full-cache runs (compiled first) and
+    # as many VeriCache runs, the first being the one above, which counts among them only when it had rounds to time
+    times, n = res["timing_runs"], generate.TIMING_RUNS
+    assert n >= 3 and len(times["full_cache_tokens_per_s"]) == n
+    assert len(times["vericache_tokens_per_s"]) == (n if res["tokens_per_s"] is not None else n - 1)
     want = np.median(times["vericache_tokens_per_s"]) / np.median(times["full_cache_tokens_per_s"])
     assert abs(res["speedup_vs_full"] - want) < 2e-3 * want
     assert f"speedup_vs_full={res['speedup_vs_full']:.2f}x" in summary
@@ -68,7 +69,7 @@ def test_compare_full_prefills_once(monkeypatch, capsys):
     assert cli.main(["generate", "--model", BUNDLED, "--prompt", "import sys\n", "--mode", "vericache",
                      "--draft-len", "4", "--new-tokens", "12", "--ignore-eos", "--compare-full", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["identical_to_full_cache"] is True and len(res["timing_runs"]["full_cache_tokens_per_s"]) == 3
+    assert res["identical_to_full_cache"] is True and len(res["timing_runs"]["full_cache_tokens_per_s"]) == generate.TIMING_RUNS
     assert len(calls) == 1
 
 
