@@ -38,6 +38,7 @@ plus one draft row of admission scratch) to fit `budget_bytes`. Requests that do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -56,6 +57,19 @@ from kvjax.scheduling.memory import DeviceMemory, device_stats_peak
 from kvjax.scheduling.requests import Request, SchedulerResult
 
 MODES = ("staggered", "lockstep")
+
+
+# An admission sizes a request's parts by tracing the family's split over every layer (SmolLM2: ~20-28 ms a trace, two
+# per admission of ~300-500 ms at 8K); the sizes depend on the shapes alone, so each shape is traced once.
+@functools.lru_cache(maxsize=64)
+def _abstract_parts(family, config, capacity: int, tail_capacity: int, dtype):
+    return jax.eval_shape(lambda: family.offload_split(family.init_cache(config, 1, capacity, dtype), tail_capacity))
+
+
+@functools.lru_cache(maxsize=64)
+def _host_part_bytes(family, treedef, shapes) -> int:
+    abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
+    return tree_nbytes(jax.eval_shape(lambda full: family.offload_split(full, 1), abstract)[0])
 
 
 @dataclasses.dataclass
@@ -426,15 +440,14 @@ class VeriCacheScheduler:
 
     def _parts_abstract(self, req):
         """Abstract (host part, device tail) of a request's offloaded full cache: shapes only, nothing allocated."""
-        fam, cfg = self.model.family, self.model.config
         cap = vc.capacity_for(len(req.prompt), req.max_new_tokens, self.x)
-        tail_cap = self._tail_cap(req)
-        return jax.eval_shape(lambda: fam.offload_split(fam.init_cache(cfg, 1, cap, self.model.cache_dtype),
-                                                        tail_cap))
+        return _abstract_parts(self.model.family, self.model.config, cap, self._tail_cap(req), self.model.cache_dtype)
 
     def _full_bytes(self, req) -> int:
         if req.prefilled is not None:
-            return tree_nbytes(jax.eval_shape(lambda: self.model.family.offload_split(req.prefilled[0], 1))[0])
+            full = req.prefilled[0]
+            shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(full))
+            return _host_part_bytes(self.model.family, jax.tree.structure(full), shapes)
         return tree_nbytes(self._parts_abstract(req)[0])
 
     def _tail_cap(self, req) -> int:
