@@ -103,9 +103,12 @@ def test_no_recompiles_when_warm(llama, workload, compile_count):
     s.run(reqs[:3])  # warm (the parametrized test above usually compiled these already)
     fns = (ss.draft_slots, ss.verify_row, ss.put_slot_row, ss.put_parts)
     before = [compile_count(f) for f in fns]
+    traced = (sch._abstract_parts.cache_info().misses, sch._host_part_bytes.cache_info().misses)
     res = s.run(reqs)
     assert_every_request_exact(res, refs)
     assert [compile_count(f) for f in fns] == before
+    # nor does an admission trace the family's cache split again to size shapes it has sized before
+    assert (sch._abstract_parts.cache_info().misses, sch._host_part_bytes.cache_info().misses) == traced
 
 
 def test_budget_errors(llama, workload):
