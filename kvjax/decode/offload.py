@@ -19,7 +19,7 @@ import functools
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from kvjax.arrays import device_space, same_shapes  # noqa: F401 - device_space: part of this module's interface
+from kvjax.arrays import same_shapes
 
 
 def shardings(device=None):
@@ -67,7 +67,7 @@ LEND_ON_CPU = True
 def lends(host_tree) -> bool:
     """Whether a verify reads `host_tree` where it is instead of a fetched copy: on the CPU, where "pinned_host" and
     "device" memory are the same RAM, a jit moves its pinned-host arguments into device space without a copy
-    (`device_space`), so a fetch would only copy the full cache from one place in RAM to another (measured, the
+    (`kvjax.arrays.device_space`), so a fetch would only copy the full cache from one place in RAM to another (measured, the
     bundled model's 64 MiB at 16K: 3.5-8 ms a verify, the in-place read none). The verify donates what it is lent
     and hands the same buffers back, in host space, in its committed cache (`take_back`). Elsewhere the full cache
     crosses a host link and is fetched."""

@@ -8,7 +8,7 @@ import functools
 
 import jax
 
-from kvjax.decode import offload as offl
+from kvjax.arrays import device_space
 
 
 @functools.partial(jax.jit, static_argnames="family", donate_argnames="dcache")
@@ -16,4 +16,4 @@ def refresh_step(dcache, full, aux, *, family):
     """The draft (donated) with its prompt part re-selected against the committed full cache `full` (not donated)."""
     refresh = family.require("draft_refresh", "refreshing draft caches")
     # a committed cache handed back to a lent host copy is in host space (`kvjax.decode.offload.lends`)
-    return refresh(dcache, offl.device_space(full), aux, spec=dcache.refresh)
+    return refresh(dcache, device_space(full), aux, spec=dcache.refresh)

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.arrays import device_space
 from kvjax.decode import offload as offl
 from kvjax.decode import sampling
 
@@ -100,7 +101,7 @@ def _verify_offloaded(params, config, host_part, device_part, length, prompt_len
                       temperature: float = 0.0, rejection: bool = False, family, impl: str):
     B, x = drafts.shape
     lent = offl.in_host_space(host_part)  # the CPU: the host copy itself, read in place (`offload.lends`)
-    full = family.offload_join(offl.device_space(host_part), device_part, length, prompt_len)
+    full = family.offload_join(device_space(host_part), device_part, length, prompt_len)
     L = full.length
     emitted, n, full, dcache, logits, aux = verify_core(params, config, full, dcache, last, drafts, qlog, seed,
                                                         temperature=temperature, rejection=rejection,
