@@ -190,21 +190,22 @@ def logits(model: Model, token_ids) -> np.ndarray:
     return steps.prefill(model, cache, ids, all_logits=True)[0]
 
 
-def prefill(model: Model, ids: np.ndarray, capacity: int, *, prefix_cache=None, on_chunk=None):
-    """Prefill one prompt into a fresh cache of `capacity`: (last-row logits f32[V], cache, plan or None).
+def prefill(model: Model, ids: np.ndarray, capacity: int, *, prefix_cache=None, on_chunk=None, scoring=None):
+    """Prefill one prompt into a fresh cache of `capacity`: (last-row logits f32[V], cache, plan or None, prompt
+    masses or None) — the masses the prefill handed out for a drafter's `scoring` (`steps.prefill`).
 
     With a `kvjax.PrefixCache`, the prompt goes through it: what it holds is restored (the Plan says what and from
-    where), the rest is prefilled and inserted for later requests."""
+    where), the rest is prefilled and inserted for later requests; the drafter then scores the prompt itself."""
     if prefix_cache is None:
         cache = model.family.init_cache(model.config, 1, capacity, model.cache_dtype)
-        last, cache = steps.prefill(model, cache, ids, on_chunk=on_chunk)
-        return last, cache, None
+        last, cache, *masses = steps.prefill(model, cache, ids, on_chunk=on_chunk, scoring=scoring)
+        return last, cache, None, masses[0] if masses else None
     from kvjax.prefix.prefill import prefill_with_prefix_cache  # noqa: PLC0415 - the prefix cache sits above
 
     last, cache, plan = prefill_with_prefix_cache(model, ids, prefix_cache, capacity=capacity)
     if on_chunk is not None:
         on_chunk(ids.size)
-    return last, cache, plan
+    return last, cache, plan, None
 
 
 def prefix_stats(plan) -> dict:
@@ -229,7 +230,7 @@ def _full_chunks(model: Model, ids: np.ndarray, max_new_tokens: int, sampling: S
     `warmup`: compile the decode chunk on a copy of the cache before the first token is yielded. `prefix_cache`:
     prefill through it (its Plan is appended to `plans`). `timing`: filled with the decode's measurements, a chunk
     that compiled left out of `tokens_per_s` (see `_timing_stats`)."""
-    last, cache, plan = prefill(model, ids, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
+    last, cache, plan, _ = prefill(model, ids, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
                                 prefix_cache=prefix_cache, on_chunk=on_prefill)
     if plans is not None:
         plans.append(plan)
@@ -377,6 +378,11 @@ class _VeriCacheConfig:
     recent_slots: int = 256
     adaptive_policy: str = "cost"
 
+    def scoring(self, model) -> tuple[int, int] | None:
+        """What the prefill should score the prompt by for this run's drafter (`Compressor.prompt_scoring`): None
+        when it does not score that way."""
+        return getattr(model.family.make_compressor(self.compressor, model=model), "prompt_scoring", None)
+
     def engine_kw(self, sampling, seed) -> dict:
         return dict(compressor=self.compressor, draft_len=self.x, offload=self.offload, temperature=sampling, seed=seed,
                     rejection=self.rejection, adaptive=self.xs if len(self.xs) > 1 else None,
@@ -496,16 +502,19 @@ def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCa
     """One checked prompt through VeriCache: prefill (through the prefix cache if any), optional compile warm-up on
     a copy of the cache, the rounds; the `Generation` cut by the stop rule. The CLI's hooks: `on_prefill(done)`,
     `on_plan(prefix-cache Plan or None)`, `on_warmup(draft lengths compiled so far, from 0)`,
-    `on_round(new, logprobs)`, `should_stop(tokens)` (besides the rule); `keep_prefilled(last, full)` receives a copy
-    of the prefilled state, which `prefilled=(last, full)` of a later call of the same prompt and config starts from
-    instead of prefilling (a copy of it: `kvjax generate --compare-full` times the run again)."""
+    `on_round(new, logprobs)`, `should_stop(tokens)` (besides the rule); `keep_prefilled(last, full, masses)`
+    receives a copy of the prefilled state, which `prefilled=(last, full[, masses])` of a later call of the same
+    prompt and config starts from instead of prefilling (a copy of it: `kvjax generate --compare-full` times the run
+    again); masses: the prompt's scores the prefill handed out for the drafter (`steps.prefill(scoring=...)`) or
+    None."""
     if prefilled is not None:
         last, full, plan = prefilled[0], jax.tree.map(jnp.copy, prefilled[1]), None
+        masses = prefilled[2] if len(prefilled) > 2 else None
     else:
-        last, full, plan = prefill(model, ids, vc.capacity_for(ids.size, max_new_tokens, cfg.xs[-1]),
-                                   prefix_cache=prefix_cache, on_chunk=on_prefill)
+        last, full, plan, masses = prefill(model, ids, vc.capacity_for(ids.size, max_new_tokens, cfg.xs[-1]),
+                                           prefix_cache=prefix_cache, on_chunk=on_prefill, scoring=cfg.scoring(model))
         if keep_prefilled is not None:
-            keep_prefilled(last, jax.tree.map(jnp.copy, full))
+            keep_prefilled(last, jax.tree.map(jnp.copy, full), masses)
     if on_plan is not None:
         on_plan(plan)
     first = vc.first_token(last, ids.size, jnp.asarray([seed], jnp.int32), sampling)
@@ -517,7 +526,8 @@ def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCa
             on_warmup(0)
         for i, xi in enumerate(cfg.xs):  # every draft length the run may pick, on a copy of the cache
             vc.run_vericache(model, jax.tree.map(jnp.copy, full), first, ids, min(max_new_tokens, 2 * xi + 2),
-                             **{**kw, "draft_len": xi, "adaptive": None}, first_logits=last, return_logprobs=logprobs)
+                             **{**kw, "draft_len": xi, "adaptive": None}, first_logits=last, return_logprobs=logprobs,
+                             prompt_masses=masses)
             if on_warmup is not None:
                 on_warmup(i + 1)
         warm_s = time.perf_counter() - t0
@@ -527,7 +537,7 @@ def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCa
 
     res = vc.run_vericache(model, full, first, ids, max_new_tokens, progress=progress, should_stop=stop,
                            first_logits=last, return_logits=return_logits, return_logprobs=logprobs,
-                           on_round=on_round, **kw)
+                           on_round=on_round, prompt_masses=masses, **kw)
     toks, stats, extra = res[0], res[1], list(res[2:])
     lg = extra.pop(0) if return_logits else None
     lp = extra.pop(0) if logprobs else None

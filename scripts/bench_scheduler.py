@@ -168,7 +168,11 @@ def main(argv=None):
         comp_name, ckw = model.family.default_drafter(model, **ckw)
 
     t0 = time.perf_counter()
-    pre = [requests.prefill_request(model, p, M, draft_len=x) for p in prompts]
+    # the drafter's prompt scores come out of each prefill (as the scheduler's own prefill does on admission)
+    scoring = getattr(model.family.make_compressor(comp_name, model=model, **ckw), "prompt_scoring", None)
+    pre = [requests.prefill_request(model, p, M, draft_len=x, scoring=scoring) for p in prompts]
+    masses = [pp[2] if len(pp) > 2 else None for pp in pre]
+    pre = [pp[:2] for pp in pre]
     t_prefill = time.perf_counter() - t0
     full_bytes = sum(l.k.nbytes + l.v.nbytes for l in pre[0][0].layers)
     if args.budget_bytes is None:  # exactly two slots of the full-cache batch plus its one-layer admission scratch
@@ -187,7 +191,8 @@ def main(argv=None):
     print(f"[bench] references {time.perf_counter() - t0:.1f}s", flush=True)
 
     def batch(m):
-        return [requests.Request(prompt=p, max_new_tokens=m, prefilled=pp) for p, pp in zip(prompts, pre)]
+        return [requests.Request(prompt=p, max_new_tokens=m, prefilled=pp, prompt_masses=mm)
+                for p, pp, mm in zip(prompts, pre, masses)]
 
     recent = max(64, M + x + 2)
     tail_cap = pick_capacity(M + x + 2, CAPACITY_BUCKETS)

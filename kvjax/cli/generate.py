@@ -274,7 +274,7 @@ def _run_vericache(model, ids, args, text: TextStream):
             bars["decode"].update(min(done, n) - bars["decode"].n)
 
     kept = {}  # --compare-full: the prefilled state, for timing the run again (a copy of the full cache meanwhile)
-    keep = (lambda last, full: kept.update(state=(last, full))) if args.compare_full else None
+    keep = (lambda last, full, masses: kept.update(state=(last, full), masses=masses)) if args.compare_full else None
     try:
         g = api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg, logprobs=args.logprobs,
                               prefix_cache=args.prefix_cache, warmup=args.warmup, progress=progress,
@@ -288,7 +288,7 @@ def _run_vericache(model, ids, args, text: TextStream):
     # run again between its full-cache timings from it
     args.prefilled = kept.get("state")
     args.rerun_vericache = lambda: api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg,
-                                                     prefilled=args.prefilled)
+                                                     prefilled=args.prefilled + (kept.get("masses"),))
     return g, g.stats
 
 

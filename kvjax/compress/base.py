@@ -177,23 +177,39 @@ class Compressor:
         kept = prompt_len / self.ratio if self.max_kept is None else min(prompt_len / self.ratio, self.max_kept)
         return max(32, round_up(kept, 32))
 
+    @property
+    def prompt_scoring(self) -> tuple[int, int] | None:
+        """(rows, block) when this drafter scores a prompt by the softmax mass its last `rows` tokens put on each
+        `block` of slots: a prefill asked for them (`kvjax.decode.steps.prefill(scoring=...)`) hands them out from
+        its own attention, and `__call__(prompt_masses=...)` then skips scoring; None: this drafter does not."""
+        return None
+
     def prepare(self, params, config: ModelConfig, full: ModelCache, prompt) -> dict:
         """Per-prompt data shared by all layers (scores); default none."""
         return {}
 
+    def prepare_scored(self, full: ModelCache, prompt_masses: tuple) -> dict:
+        """`prepare`'s data from the masses a prefill handed out (`prompt_scoring`); only drafters that score."""
+        raise TypeError(f"the {self.name!r} drafter does not score prompts by their last tokens' attention "
+                        "(prompt_scoring is None), so it takes no prompt_masses")
+
     def layer_parts(self, i: int, form: DenseKV, length: jax.Array, prompt_len: int, data: dict) -> tuple:
         raise NotImplementedError
 
-    def __call__(self, params, config: ModelConfig, full: ModelCache, prompt, *, recent_slots: int) -> DraftCache:
+    def __call__(self, params, config: ModelConfig, full: ModelCache, prompt, *, recent_slots: int,
+                 prompt_masses: tuple | None = None) -> DraftCache:
         """Build the draft cache of a prefilled prompt.
 
         Args:
             full: the full cache right after prefill (length = prompt length, not donated here).
             prompt: i32[T] the prompt token ids (scorers re-read it).
             recent_slots: ring slots per layer for decoded tokens; sliding layers get at least W + recent_slots.
+            prompt_masses: the prompt's scores as the prefill handed them out (`prompt_scoring`), or None: the
+                drafter scores the prompt itself.
         """
         prompt_len = int(full.length[0])
-        data = self.prepare(params, config, full, prompt)
+        data = (self.prepare(params, config, full, prompt) if prompt_masses is None
+                else self.prepare_scored(full, prompt_masses))
         B = full.length.shape[0]
         layers = []
         for i, form in enumerate(full.layers):

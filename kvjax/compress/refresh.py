@@ -205,6 +205,19 @@ class Refresh(Compressor):
                            recent_blocks=self.recent_blocks, period=self.period,
                            min_drafts=self.min_drafts, dtype=self.draft_dtype)
 
+    @property
+    def prompt_scoring(self) -> tuple[int, int]:
+        """(obs_window, block): the first selection's scores, which a prefill can hand out from its own attention
+        (`Compressor.prompt_scoring`)."""
+        return self.obs_window, self.block
+
+    def prepare_scored(self, full, prompt_masses):
+        for m, form in zip(prompt_masses, full.layers):
+            if m is not None and m.shape[-1] != -(-form.k.shape[2] // self.block):
+                raise ValueError(f"prompt_masses are over blocks of another size than this drafter's {self.block} "
+                                 f"slots ({m.shape[-1]} blocks for {form.k.shape[2]} slots)")
+        return {"masses": prompt_masses, "spec": self.spec(int(full.length[0]))}
+
     def prepare(self, params, config, full, prompt):
         from kvjax.models.llama.refresh import prompt_block_masses  # noqa: PLC0415 - models sit below compress
 
@@ -225,6 +238,6 @@ class Refresh(Compressor):
         return _first_selection(form, data["masses"][i], length, bulk, spec=data["spec"], block=self.block,
                                 dtype=self.draft_dtype)
 
-    def __call__(self, params, config, full, prompt, *, recent_slots: int) -> DraftCache:
-        draft = super().__call__(params, config, full, prompt, recent_slots=recent_slots)
+    def __call__(self, params, config, full, prompt, *, recent_slots: int, prompt_masses=None) -> DraftCache:
+        draft = super().__call__(params, config, full, prompt, recent_slots=recent_slots, prompt_masses=prompt_masses)
         return dataclasses.replace(draft, refresh=self.spec(int(full.length[0])))

@@ -65,8 +65,31 @@ def forward_step(params, config, cache, tokens: jax.Array, n_valid: jax.Array, *
     return _forward(family, impl, params, config, cache, tokens, n_valid)
 
 
+@functools.partial(jax.jit, static_argnames=("family", "impl", "rows", "block"), donate_argnames="cache")
+def prefill_chunk_masses(params, config, cache, tokens: jax.Array, n_valid: jax.Array, first: jax.Array, *, family,
+                         impl: str, rows: int, block: int):
+    """`prefill_chunk` (its last-row logits and cache, bit for bit) plus the family's `forward_with_masses` masses of
+    the scoring rows at positions first[b] .. first[b] + rows - 1 that lie in this chunk."""
+    last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
+    logits, cache, masses = family.forward_with_masses(params, config, cache, tokens, n_valid, first, rows=rows,
+                                                       block=block, implementation=impl, logit_rows=last[:, None])
+    return logits[:, 0], cache, masses
+
+
+_NO_MASSES_YET = ()
+
+
+def _add_masses(total, masses):
+    """Per-layer sums of chunks' masses, starting from _NO_MASSES_YET; None (a chunk without them) stays None."""
+    if total is _NO_MASSES_YET:
+        return masses
+    if total is None or masses is None:
+        return None
+    return tuple(None if a is None else a + b for a, b in zip(total, masses))
+
+
 def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_chunk=None, all_logits: bool = False,
-            bulk_chunk: int | None = BULK_CHUNK):
+            bulk_chunk: int | None = BULK_CHUNK, scoring: tuple[int, int] | None = None):
     """Prefill one prompt (batch 1) in fixed-size chunks so no `T x T` score matrix is ever built.
 
     Args:
@@ -78,9 +101,15 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
             only. The cache and logits are the same either way.
         on_chunk: optional callback(tokens_done) for progress bars.
         all_logits: also return every prompt row's logits f32[T, V].
+        scoring: (rows, block) or None — also return the block masses the prompt's last `rows` tokens put on the
+            cache, per layer f32[1, K, ceil(S / block)] (None for sliding layers), from the chunks' own attention
+            (the refreshing drafter's first selection: `Compressor.prompt_scoring`, `Refresh.prepare`); the masses
+            are None where the family or the attention implementation cannot hand them out. The cache and logits
+            are the same either way.
 
     Returns:
-        (logits f32[V] at the last prompt token, cache) — or (logits f32[T, V], cache) with `all_logits`.
+        (logits f32[V] at the last prompt token, cache) — or (logits f32[T, V], cache) with `all_logits` — then the
+        masses with `scoring`.
     """
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim != 1 or prompt.size == 0:
@@ -91,21 +120,34 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
         raise CapacityError(f"prompt of {T} tokens does not fit the cache ({cache.capacity} slots, {used} used)")
     if T <= SHORT_CHUNK and used == 0:
         chunk = min(chunk, SHORT_CHUNK)
-    last, rows = None, []
+    scored = scoring is not None and model.family.forward_with_masses is not None and not all_logits
+    w = min(scoring[0], T) if scoring is not None else 0
+    last, rows, masses = None, [], _NO_MASSES_YET
     for start, width in chunk_plan(T, chunk, bulk_chunk):
         part = prompt[start:start + width]
         buf = np.zeros((1, width), np.int32)
         buf[0, :part.size] = part
-        last, lg, cache = prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
-                                        jnp.asarray([part.size], jnp.int32), family=model.family,
-                                        impl=model.attention, all_logits=all_logits)
+        if scored:  # every chunk runs this one program (no second compile per width); rows outside add nothing
+            last, cache, m = prefill_chunk_masses(model.params, model.config, cache, jnp.asarray(buf),
+                                                  jnp.asarray([part.size], jnp.int32),
+                                                  jnp.asarray([used + T - w], jnp.int32), family=model.family,
+                                                  impl=model.attention, rows=w, block=scoring[1])
+            if start + part.size > T - w:  # this chunk holds some of the scoring rows
+                masses = _add_masses(masses, m)
+            lg = None
+        else:
+            last, lg, cache = prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
+                                            jnp.asarray([part.size], jnp.int32), family=model.family,
+                                            impl=model.attention, all_logits=all_logits)
         if all_logits:
             rows.append(np.asarray(lg[0, :part.size]))
         if on_chunk is not None:
             jax.block_until_ready(last)  # a progress bar counts the chunk once it ran, not once it was dispatched
             on_chunk(start + part.size)
     if all_logits:
-        return np.concatenate(rows, axis=0), cache
+        return (np.concatenate(rows, axis=0), cache) + ((None,) if scoring is not None else ())
+    if scoring is not None:
+        return last[0], cache, masses if scored and masses is not _NO_MASSES_YET else None
     return last[0], cache
 
 

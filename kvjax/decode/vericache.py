@@ -106,9 +106,11 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
     comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
     draft_params(model, getattr(comp, "draft_weights", "float32"))  # checked (and made once) before any compute
     xs = _draft_lengths(model, draft_len, adaptive)
-    full, first, first_logits = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
-                                            temperature=temperature, seed=seed, return_logits=True)
+    full, first, first_logits, *scored = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
+                                                     temperature=temperature, seed=seed, return_logits=True,
+                                                     scoring=getattr(comp, "prompt_scoring", None))
     return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
+                         prompt_masses=scored[0] if scored else None,
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
                          recent_slots=recent_slots, progress=progress, should_stop=should_stop,
                          adaptive_policy=adaptive_policy,
@@ -116,23 +118,31 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
                          return_logprobs=return_logprobs)
 
 
+def scored(comp, prompt_masses) -> dict:
+    """The keyword that hands a prefill's prompt masses to drafter `comp`, where there are some and it takes them
+    (`Compressor.prompt_scoring`; other families' drafters take no such keyword)."""
+    return {"prompt_masses": prompt_masses} if prompt_masses is not None and getattr(
+        comp, "prompt_scoring", None) is not None else {}
+
+
 def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0,
-                return_logits: bool = False, on_chunk=None):
+                return_logits: bool = False, on_chunk=None, scoring: tuple[int, int] | None = None):
     """Prefilled full cache (capacity by `capacity_for`) and the first token: (cache, first i32[1]) — plus the last
-    prompt row's logits f32[V] when `return_logits`."""
+    prompt row's logits f32[V] when `return_logits` — plus, with `scoring` (a drafter's `prompt_scoring`), the
+    prompt masses the prefill handed out for it (`steps.prefill`; None where it could not)."""
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     full = model.family.init_cache(model.config, 1, capacity_for(prompt.size, max_new_tokens, max_draft),
                                    model.cache_dtype)
-    logits, full = steps.prefill(model, full, prompt, on_chunk=on_chunk)
+    logits, full, *masses = steps.prefill(model, full, prompt, on_chunk=on_chunk, scoring=scoring)
     first = first_token(logits, prompt.size, jnp.asarray([seed], jnp.int32), temperature)
-    return (full, first, logits) if return_logits else (full, first)
+    return (full, first) + ((logits,) if return_logits else ()) + tuple(masses)
 
 
 def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compressor, draft_len: int = 8,
                   offload: bool = False, temperature: float = 0.0, seed: int = 0, rejection: bool = False,
                   adaptive: tuple | None = None, recent_slots: int = 256, progress=None, draft_cache=None,
                   first_logits=None, should_stop=None, adaptive_policy: str = "cost", return_logits: bool = False,
-                  return_logprobs: bool = False, on_round=None):
+                  return_logprobs: bool = False, on_round=None, prompt_masses=None):
     """VeriCache rounds from an already prefilled full cache (`prefill_for`); `full` is consumed (donated).
 
     Same arguments and result as `generate_vericache`; the prefill is not part of the timed decode, and neither is a
@@ -142,6 +152,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     row f32[V], needed by `return_logits` (every emitted token's logits row) and `return_logprobs` (every emitted
     token's log-probability under the exact full-cache distribution, f32[n], returned after the logits).
     `on_round(new i32[k], their logprobs f32[k] or None)`: called with the first token, then each round's tokens.
+    `prompt_masses`: the prompt's scores the prefill handed out for the drafter (`prefill_for(scoring=...)`), which
+    it then need not compute (`Compressor.__call__`).
     """
     params, config, family, impl = model.params, model.config, model.family, model.attention
     comp = family.make_compressor(compressor, model=model)
@@ -156,7 +168,8 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     vparams = model.verify_params()  # what verification reads (`Model.verify_params`: the loops' packed layout on CPU)
     t0 = time.perf_counter()
     if draft_cache is None:
-        dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1))
+        dcache = comp(params, config, full, prompt, recent_slots=max(recent_slots, xmax + 1),
+                      **scored(comp, prompt_masses))
     else:
         dcache = draft_cache
     jax.block_until_ready(dcache)

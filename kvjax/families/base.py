@@ -17,7 +17,11 @@ The functions, by what they serve (shapes: `B` batch, `T` new tokens, `x` draft 
   plain one-token decode; `verify_forward(...) -> (logits, cache, aux)` — the same over the full cache in the
   canonical verify arithmetic (the shape the reference decoder and VeriCache's verification share, bit for bit;
   aux is the family's by-product of it, e.g. queries for refreshing drafts, None when it has none);
-  `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the state after a verify
+  optionally `forward_with_masses(params, config, cache, tokens, n_valid, first i32[B], *, rows, block,
+  implementation, logit_rows) -> (logits, cache, per-layer block masses or None)` — `forward` (the same logits and
+  cache, bit for bit) that also sums the softmax mass the prompt rows at positions first..first + rows - 1 in the
+  chunk put on each `block` of slots (the refreshing drafter's first selection, taken from the prefill: the
+  compressor's `prompt_scoring`); `commit(params, config, before, after, tokens, keep_len, *, implementation) -> cache` — the state after a verify
   block rolled back to `keep_len[b]` tokens (masked, no reshape); optionally
   `decode_split(cache, rows) -> (invariant, carry)`, `decode_join(invariant, carry) -> cache`,
   `decode_carry(cache) -> carry`, `decode_merge(invariant, carry) -> cache` — how a decode loop of `rows` steps
@@ -95,6 +99,7 @@ class Family:
     shard_params: Callable[..., Any] | None = None
     loop_params: Callable[..., Any] | None = None
     pack_params: Callable[..., Any] | None = None
+    forward_with_masses: Callable[..., Any] | None = None
     default_compressor: str = "streaming"  # the draft maker used when none is named (chosen by measurement)
     # () -> its fields when none are given for it (None: the compressor's own defaults); a function because the best
     # setting depends on what the kernels here read directly (e.g. bf16 drafts)

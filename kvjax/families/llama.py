@@ -11,7 +11,7 @@ from kvjax.compress import COMPRESSORS, make_compressor
 from kvjax.families.base import Family
 from kvjax.models.attention import make_attention_fn
 from kvjax.compress.refresh import refresh_draft
-from kvjax.models.llama import cache, draft, model, offload, verify, weights
+from kvjax.models.llama import cache, draft, model, offload, refresh, verify, weights
 from kvjax.models.llama.config import SUPPORTED_FAMILIES, ModelConfig, config_from_hf
 from kvjax.models.llama.layers import FUSED_PROJECTIONS, fuse_projections, pack_projections
 from kvjax.prefix.layouts.llama import LlamaBlockLayout
@@ -110,6 +110,7 @@ LLAMA = Family(
     read_bytes=cache.read_bytes,
     forward=forward,
     verify_forward=verify.verify_forward,
+    forward_with_masses=refresh.forward_with_masses,
     commit=verify.commit,
     decode_split=chunked.decode_split,
     decode_join=chunked.decode_join,

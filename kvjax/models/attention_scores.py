@@ -72,10 +72,12 @@ def block_mass_reference(q: jax.Array, k: jax.Array, q_pos: jax.Array, k_pos: ja
 
 
 def attention_with_block_mass(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
-                              rows: tuple[int, ...], block: int, implementation: str | None = None):
+                              rows: tuple[int, ...], block: int, row_base: jax.Array | None = None,
+                              implementation: str | None = None):
     """`attention(q, k, v, q_pos, k_pos)` and, where the native kernel runs it, the block masses of query rows `rows`
     (`block_mass(q[:, rows], k, q_pos[:, rows], k_pos, block)` up to f32 rounding) from the same pass over the keys;
-    elsewhere the mass is None and the caller scores later from the queries.
+    elsewhere the mass is None and the caller scores later from the queries. `row_base` (i32[B], default zeros) moves
+    batch row b's scoring rows to row_base[b] + rows; those that fall outside the call's rows add nothing.
 
     A verify reads its whole full cache anyway; taking the refreshing drafter's scores from its probabilities spares
     the re-selection a second pass over the keys (`block_mass`, most of a re-selection's time). The attention output is
@@ -85,6 +87,7 @@ def attention_with_block_mass(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: j
     rows = tuple(sorted({r % q.shape[1] for r in rows}))
     impl = pallas_kernels.resolve(implementation)
     if impl == "native" and native_wins(q, k) and native.mass_block_fits(block, native.default_block(q.shape[-1])):
-        o, m, l, mass = native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=rows, mass_block=block)
+        o, m, l, mass = native.attend_stats_mass(q, k, v, q_pos, k_pos, rows=rows, mass_block=block,
+                                                 row_base=row_base)
         return pallas_kernels.finalize(o, m, l).astype(q.dtype), mass
     return attention(q, k, v, q_pos, k_pos, implementation=implementation), None

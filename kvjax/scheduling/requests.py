@@ -23,6 +23,9 @@ class Request:
         prefilled: optional (the family's full cache after prefill, first token i32[1]) from `prefill_request` (its
             arrays may live in pinned host memory, like a prefix-cache hit; its first token must have been chosen with
             the run's temperature and this seed); None = the scheduler prefills on admission.
+        prompt_masses: optional, the prompt's scores its prefill handed out for the scheduler's drafter
+            (`prefill_request(scoring=...)`, `Compressor.prompt_scoring`), so its admission skips scoring the prompt;
+            None = the drafter scores it at admission.
         own_prefilled: the prefilled cache is the request's alone, so the scheduler may take its buffers (on the CPU
             its verifies write into the host copy they are lent, `kvjax.decode.offload.lends`); False = the caller's,
             copied once at admission.
@@ -34,20 +37,22 @@ class Request:
     seed: int = 0
     prefilled: tuple | None = None
     own_prefilled: bool = False
+    prompt_masses: tuple | None = None
 
 
 def prefill_request(model, prompt, max_new_tokens: int, *, draft_len: int, host: bool = True, seed: int = 0,
-                    temperature: float = 0.0) -> tuple:
-    """Prefill a prompt at the capacity VeriCache and its reference use: (full cache, first i32[1]).
+                    temperature: float = 0.0, scoring: tuple[int, int] | None = None) -> tuple:
+    """Prefill a prompt at the capacity VeriCache and its reference use: (full cache, first i32[1]) — then, with
+    `scoring` (a drafter's `prompt_scoring`), the prompt masses the prefill handed out (`Request.prompt_masses`).
 
     With `host`, the cache is moved to pinned host memory (its device copy is freed).
     """
-    full, first = vc.prefill_for(model, prompt, max_new_tokens, max_draft=draft_len, temperature=temperature,
-                                 seed=seed)
+    full, first, *masses = vc.prefill_for(model, prompt, max_new_tokens, max_draft=draft_len, temperature=temperature,
+                                          seed=seed, scoring=scoring)
     if host:
         full = offl.to_host(full)
         jax.block_until_ready(full)
-    return full, first
+    return (full, first) + tuple(masses)
 
 
 @dataclasses.dataclass

@@ -477,19 +477,24 @@ class VeriCacheScheduler:
 
         # full cache on the device (it occupies the verification slot), compressed into a draft row
         prompt = np.asarray(req.prompt, np.int32).reshape(-1)
+        masses = req.prompt_masses
         if req.prefilled is not None:
             full, first = req.prefilled
             # compressed where it lies if the drafter reads lent host memory (the CPU), else from a device copy
             if not (offl.lends(full) and getattr(self.comp, "reads_host_memory", False)):
                 full = offl.fetch(full)
         else:
-            full, first = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
-                                         temperature=self.temperature, seed=req.seed)
+            # the drafter's prompt scores from the prefill's own attention where it scores that way (no second pass)
+            full, first, *scored = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
+                                                  temperature=self.temperature, seed=req.seed,
+                                                  scoring=getattr(self.comp, "prompt_scoring", None))
+            masses = scored[0] if scored else None
             # committed to the device like a fetched prefix (no copy: it is there already): jit keys on
             # committedness, and every state derived from `full` must reach the steps as one kind of argument
             full = offl.fetch(full)
         R = self.recent_slots or max(64, req.max_new_tokens + self.x + 2)
-        row = self.comp(self.model.params, cfg, full, prompt, recent_slots=max(R, self.x + 1))
+        row = self.comp(self.model.params, cfg, full, prompt, recent_slots=max(R, self.x + 1),
+                        **vc.scored(self.comp, masses))
         self.mem.sample(self.emitted)
         host_part, tail = self.model.family.offload_split(full, self._tail_cap(req))
         tail_bytes = tree_nbytes(tail)

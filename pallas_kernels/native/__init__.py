@@ -310,8 +310,8 @@ def _check_int8_part(k, v, k_scale, v_scale):
         raise ValueError(f"k_scale and v_scale must be [B, K, S] = {(B, K, S)}, got {k_scale.shape}, {v_scale.shape}")
 
 
-def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_block: int, window=None, scale=None,
-                      block: int | None = None):
+def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_block: int, row_base=None, window=None,
+                      scale=None, block: int | None = None):
     """`attend_stats` and, from the same pass over the keys, the block masses of query rows `rows`: the softmax mass
     each group of `mass_block` slots gets from those rows, summed over each KV head's query group and the rows --
     `kvjax.models.attention_scores.block_mass_reference(q[:, rows], k, q_pos[:, rows], k_pos, mass_block)` up to f32
@@ -319,7 +319,9 @@ def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_bloc
 
     Args:
         rows: distinct query rows in [0, T) (static); mass_block: a multiple of 8 dividing the kernel's block (static);
-            the rest as `attend_stats` (no gradient: an inference path).
+            row_base: i32[B] or None (zeros): batch row b's mass rows are row_base[b] + rows, and those outside
+            [0, T) add nothing -- where the rows that score fall in a call is known only at run time (a prefill
+            chunk's share of its prompt's last tokens); the rest as `attend_stats` (no gradient: an inference path).
 
     Returns:
         `(o, m, l, mass f32[B, K, ceil(S / mass_block)])`.
@@ -335,7 +337,8 @@ def attend_stats_mass(q, k, v, q_pos, k_pos, *, rows: tuple[int, ...], mass_bloc
         raise ValueError(f"mass_block must be a multiple of 8 dividing the kernel's block {int(attrs['block'])}, "
                          f"got {mass_block}")
     k, v = _keys_values(k, v)
-    return call(q.astype(jnp.float32), k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+    base = jnp.zeros((B,), jnp.int32) if row_base is None else jnp.asarray(row_base, jnp.int32).reshape(B)
+    return call(q.astype(jnp.float32), k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), base,
                 mass_block=np.int64(mass_block), mass_rows=np.asarray(rows, np.int64), **attrs)
 
 

@@ -7,8 +7,9 @@
 // Attrs   window (s64, <= 0: none), scale (f32), block (s64)
 // kvjax_attend_int8_ring: kvjax_attend_int8's inputs, then a second part's ring_k, ring_v (f32 or bf16) [B, K, R, D]
 //         and ring_pos s32[B, R] or s32[B, K, R]; the outputs are the statistics of both parts as one (`SolveParts`)
-// kvjax_attend_mass: also mass f32[B, K, ceil(S / mass_block)], the block masses of the query rows `mass_rows`
-//         (attrs mass_block, mass_rows: s64[]) from the probabilities the softmax computes (`GroupSums`, `MassOut`)
+// kvjax_attend_mass: also mass f32[B, K, ceil(S / mass_block)], the block masses of the query rows
+//         mass_base[b] + mass_rows (an input mass_base s32[B] after k_pos; attrs mass_block, mass_rows: s64[]; a row
+//         outside [0, T) adds nothing) from the probabilities the softmax computes (`GroupSums`, `MassOut`)
 //
 // Key s is visible to a query at position t iff 0 <= k_pos[s] <= t (and k_pos[s] > t - W). The statistics are the
 // online-softmax state of `pallas_kernels.online_softmax` (normalised by `finalize` in Python, which also adds
@@ -114,11 +115,13 @@ struct Problem {
   // int8 codes only: keys scored by integer dot products with each row's query as int8 codes (`IntScoreBlock`), and
   // each value's scale multiplied into its probability instead of into the value (`BlockRows`' step 3)
   bool qscores = false;
-  // kvjax_attend_mass: the block masses of the query rows mass_rows[0..n_mass) (distinct t in [0, T)) over groups of
+  // kvjax_attend_mass: the block masses of the query rows mass_base[b] + mass_rows[0..n_mass) (distinct; those
+  // outside [0, T) skipped: a prefill chunk's share of the prompt's last rows, `kvjax.decode.steps.prefill`) over groups of
   // mass_block keys (`groups` per KV head), from each block's probabilities as the online softmax computes them:
   // gsum[(b, i, n), group] sums a group's exp(s - m_blk), gmax[(b, i, n), block] is that m_blk (M_INIT: the row saw
   // nothing there); `MassOut` rescales them by the row's final m and l into mass[b, K, groups].
   const int64_t* mass_rows = nullptr;
+  const int32_t* mass_base = nullptr;
   int64_t n_mass = 0, mass_block = 0, groups = 0, nblocks = 0;
   float *mass = nullptr, *gsum = nullptr, *gmax = nullptr;
 };
@@ -1105,7 +1108,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
   for (int64_t r = 0; r < NR; ++r) {
     const int64_t t = (r0 + r) / G, g = (r0 + r) % G;
     for (int64_t i = 0; i < P.n_mass; ++i)
-      if (P.mass_rows[i] == t) R.mass[r] = (b * P.n_mass + i) * P.N + h * G + g;
+      if (P.mass_base[b] + P.mass_rows[i] == t) R.mass[r] = (b * P.n_mass + i) * P.N + h * G + g;
     const int32_t qp = P.q_pos[b * P.T + t];
     R.hi[r] = qp;
     int64_t low = P.window > 0 ? static_cast<int64_t>(qp) - P.window + 1 : 0;
@@ -1330,8 +1333,8 @@ ffi::Error AttendInt8RingImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q,
 // Kernel 0 plus the block masses of some of its query rows (f32 or bf16 keys): what the refreshing drafter scores a
 // verified cache with, taken from the verify's own pass over it instead of a second pass (block_mass.cc).
 ffi::Error AttendMassImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> o,
-                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                          ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::Buffer<ffi::S32> mass_base,
+                          ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
                           ffi::ResultBuffer<ffi::F32> mass, int64_t window, float scale, int64_t block,
                           int64_t mass_block, ffi::Span<const int64_t> mass_rows) {
   const ffi::DataType kt = k.element_type();
@@ -1346,8 +1349,10 @@ ffi::Error AttendMassImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> q, ffi
     for (size_t j = 0; j < i; ++j)
       if (mass_rows[j] == mass_rows[i]) return ffi::Error::InvalidArgument("mass_rows must be distinct");
   }
+  if (mass_base.element_count() != static_cast<size_t>(P.B)) return ffi::Error::InvalidArgument("mass_base must be [B]");
   P.n_mass = static_cast<int64_t>(mass_rows.size());
   P.mass_rows = mass_rows.begin();
+  P.mass_base = mass_base.typed_data();
   P.mass_block = mass_block;
   P.groups = (P.S + mass_block - 1) / mass_block;
   P.nblocks = (P.S + block - 1) / block;
@@ -1375,7 +1380,9 @@ void MassOut(const Problem& P) {
   for (int64_t b = 0; b < P.B; ++b)
     for (int64_t i = 0; i < P.n_mass; ++i)
       for (int64_t n = 0; n < P.N; ++n) {
-        const int64_t qi = (b * P.T + P.mass_rows[i]) * P.N + n, mi = b * rows + i * P.N + n;
+        const int64_t t = P.mass_base[b] + P.mass_rows[i];
+        if (t < 0 || t >= P.T) continue;  // not among this call's rows: its groups were never written
+        const int64_t qi = (b * P.T + t) * P.N + n, mi = b * rows + i * P.N + n;
         const float m = P.m[qi], l = P.l[qi];
         if (!(l > 0.0f)) continue;
         const float* gs = P.gsum + mi * P.groups;
@@ -1519,7 +1526,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendInt8Ring, AttendInt8RingImpl,
                                   .Attr<int64_t>("qscores"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxAttendMass, AttendMassImpl,
-                              Attrs(Stats(Positions(BindQKV()))
+                              Attrs(Stats(Positions(BindQKV()).Arg<ffi::Buffer<ffi::S32>>())  // mass_base s32[B]
                                         .Ret<ffi::Buffer<ffi::F32>>())  // mass f32[B, K, ceil(S / mass_block)]
                                   .Attr<int64_t>("mass_block")
                                   .Attr<ffi::Span<const int64_t>>("mass_rows"));

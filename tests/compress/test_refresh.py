@@ -210,3 +210,43 @@ def test_the_first_selection_takes_the_prompt_rows_masses_from_their_attention(h
             continue
         np.testing.assert_allclose(np.asarray(f).sum(-1), 8 * G, rtol=1e-4)  # 8 rows, each a distribution
         np.testing.assert_allclose(np.asarray(f).reshape(1, -1, 10, 3).sum(-1), np.asarray(s), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [300, 262])  # the last 8 rows in one chunk; split over two (256-token chunks)
+def test_the_prefill_hands_out_the_first_selections_masses(hf_model_dir, n):
+    """A prefill asked for a drafter's `prompt_scoring` leaves its cache and logits bit for bit as they were and
+    hands out the masses `prompt_block_masses` computes from its own forward of the last rows (summed over the
+    chunks that hold them); a draft built from them is the draft `prepare` builds, and VeriCache run from them is
+    the reference's output."""
+    from kvjax.decode import vericache as vc
+    from kvjax.models.llama.refresh import prompt_block_masses
+
+    m = kvjax.load(hf_model_dir("llama")[1])
+    comp = Refresh(**dict(KW, block=16))
+    assert comp.prompt_scoring == (8, 16)
+    p = _prompt(n, seed=3)
+    plain = steps.prefill(m, m.family.init_cache(m.config, 1, 512, m.cache_dtype), p)
+    last, full, masses = steps.prefill(m, m.family.init_cache(m.config, 1, 512, m.cache_dtype), p, scoring=(8, 16))
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(plain[0]))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(plain[1])))
+    if m.attention != "native":
+        assert masses is None  # the XLA attention hands out none: the drafter scores the prompt itself
+        return
+    want = prompt_block_masses(m.params, m.config, full, jnp.asarray(p[None, -8:]), jnp.asarray([n - 8], jnp.int32),
+                               block=16)
+    assert any(w is not None for w in want)
+    for got, w in zip(masses, want):
+        assert (got is None) == (w is None)
+        if w is not None:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6)
+    own = comp(m.params, m.config, full, p, recent_slots=16)
+    given = comp(m.params, m.config, full, p, recent_slots=16, prompt_masses=masses)
+    for a, b in zip(own.layers, given.layers):
+        for pa, pb in zip(a.parts, b.parts):
+            np.testing.assert_array_equal(np.asarray(pa.pos), np.asarray(pb.pos))  # the same blocks kept
+    with pytest.raises(ValueError, match="blocks of another size"):
+        Refresh(**dict(KW, block=8))(m.params, m.config, full, p, recent_slots=16, prompt_masses=masses)
+    ref = kvjax.reference_decode(m, p, 12, draft_len=4).tokens
+    full2, first, *scored = vc.prefill_for(m, p, 12, max_draft=4, scoring=comp.prompt_scoring)
+    out, st = vc.run_vericache(m, full2, first, p, 12, compressor=comp, draft_len=4, prompt_masses=scored[0])
+    np.testing.assert_array_equal(out, ref)

@@ -105,8 +105,8 @@ def test_prefix_cache_and_remote_prefix_exact(model, prompt, tmp_path):
     first = kvjax.generate(model, prompt, M, ignore_eos=True, stop=None)
     from kvjax import api
 
-    _, _, plan0 = api.prefill(model, np.asarray(prompt), 2048, prefix_cache=pc)
-    _, _, plan1 = api.prefill(model, np.asarray(prompt), 2048, prefix_cache=pc)
+    _, _, plan0, _ = api.prefill(model, np.asarray(prompt), 2048, prefix_cache=pc)
+    _, _, plan1, _ = api.prefill(model, np.asarray(prompt), 2048, prefix_cache=pc)
     assert plan0.boundary == 0 and plan1.boundary >= P - 64, (plan0, plan1)
     assert len(first) == M
     store = RemoteStore(str(tmp_path / "remote"), chunk_bytes=1 << 20)

@@ -88,6 +88,31 @@ def test_the_dispatcher_fuses_only_where_the_native_kernel_runs():
     assert attention_with_block_mass(q, k, v, q_pos, k_pos, rows=(0,), block=24, implementation="native")[1] is None
 
 
+def test_a_row_base_moves_the_rows_and_splits_add_up():
+    """`row_base` moves each sequence's scoring rows at run time, and rows past either end of the call add nothing: a
+    prefill scores its prompt's last rows from whichever chunks hold them (`kvjax.decode.steps.prefill`), so the
+    masses of rows split over two calls sum to those of one call holding them all, within f32 rounding."""
+    q, k, v, q_pos, k_pos = _case(12, 3, 64, K=2, S=900, lengths=(880, 500), seed=11)
+    fn = jax.jit(lambda *a: native.attend_stats_mass(*a[:5], rows=(0, 1, 2, 3), mass_block=16, row_base=a[5]))
+    plain = [np.asarray(x) for x in jax.jit(native.attend_stats)(q, k, v, q_pos, k_pos)]
+    o, m, l, moved = fn(q, k, v, q_pos, k_pos, jnp.asarray([8, 2], jnp.int32))
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip((o, m, l), plain))
+    for b, first in ((0, 8), (1, 2)):  # each sequence's own rows
+        want = block_mass_reference(q[b:b + 1, first:first + 4], k[b:b + 1], q_pos[b:b + 1, first:first + 4],
+                                    k_pos[b:b + 1], 16)
+        np.testing.assert_allclose(np.asarray(moved[b:b + 1]), np.asarray(want), **TOL)
+    # rows 8..11 of sequence 0 as two calls: base 10 keeps rows 10, 11 (12, 13 fall past the end); base 6 keeps 8, 9
+    whole = np.asarray(moved[0])
+    halves = [np.asarray(fn(q, k, v, q_pos, k_pos, jnp.asarray([base, 2], jnp.int32))[3][0]) for base in (10, 6)]
+    split_a = block_mass_reference(q[:1, 10:12], k[:1], q_pos[:1, 10:12], k_pos[:1], 16)
+    np.testing.assert_allclose(halves[0], np.asarray(split_a)[0], **TOL)
+    # base 6: rows 6..9, of which 8, 9 are scoring rows of the whole; take the rows 6, 7 share out by the reference
+    rows_67 = np.asarray(block_mass_reference(q[:1, 6:8], k[:1], q_pos[:1, 6:8], k_pos[:1], 16))[0]
+    np.testing.assert_allclose(halves[0] + halves[1] - rows_67, whole, rtol=1e-4, atol=1e-5)
+    outside = np.asarray(fn(q, k, v, q_pos, k_pos, jnp.asarray([12, -4], jnp.int32))[3])
+    assert (outside == 0).all()  # every scoring row outside the call: nothing
+
+
 @pytest.mark.slow  # compiles the library a second time
 def test_scalar_build_equals_the_vector_build(tmp_path):
     handle = scalar_native_library(tmp_path)
@@ -99,7 +124,8 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
               jax.ShapeDtypeStruct((B, T, N), jnp.float32), jax.ShapeDtypeStruct((B, 2, -(-701 // 16)), jnp.float32))
     attrs = dict(window=np.int64(0), scale=np.float32(D**-0.5), block=np.int64(native.default_block(D)),
                  mass_block=np.int64(16), mass_rows=np.asarray([0, 8], np.int64))
-    outs = [[np.asarray(x) for x in jax.ffi.ffi_call(t, shapes)(q, k, v, q_pos, k_pos, **attrs)]
+    base = jnp.asarray([0, -3], jnp.int32)  # sequence 1's first scoring row falls before the call: skipped
+    outs = [[np.asarray(x) for x in jax.ffi.ffi_call(t, shapes)(q, k, v, q_pos, k_pos, base, **attrs)]
             for t in (native.MASS_TARGET, "kvjax_attend_mass_scalar_test")]
     assert all(np.array_equal(a, b) for a, b in zip(*outs))
 

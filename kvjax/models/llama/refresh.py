@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from kvjax.arrays import device_space
 from kvjax.cache.dense import DenseKV, ModelCache, WindowKV
-from kvjax.models.attention import attention, canonical_attention
+from kvjax.models.attention import attention, canonical_attention, make_attention_fn
 from kvjax.models.attention_scores import attention_with_block_mass, block_mass
 from kvjax.models.llama.config import ModelConfig
 from kvjax.models.llama.layers import decoder_stack, lm_head
@@ -62,6 +62,42 @@ def verify_with_queries(params, config: ModelConfig, cache: ModelCache, tokens, 
     queries, masses = tuple(a[0] for a in auxes), tuple(a[1] for a in auxes)
     return (lm_head(params, config, h), ModelCache(layers=layers, length=cache.length + n_valid),
             (queries, positions[:, r], masses))
+
+
+def forward_with_masses(params, config: ModelConfig, cache: ModelCache, tokens, n_valid, first, *, rows: int,
+                        block: int, implementation: str | None = None, logit_rows=None):
+    """A prefill chunk's `forward` that also hands out, per full-attention layer, the block masses f32[B, K,
+    ceil(S / block)] its share of the prompt's scoring rows puts on the cache -- the rows at positions first[b] ..
+    first[b] + rows - 1 that lie in this chunk (none: zeros) -- from the attention's own pass, where the native kernel
+    runs it. Sliding layers: None; all of them None where some full-attention layer's attention cannot (the caller
+    then scores with `prompt_block_masses`).
+
+    The first selection of the refreshing drafter scores the prompt by its last tokens' attention
+    (`Refresh.prepare`); the prefill already computes exactly that attention, so taking the masses from it spares a
+    forward of those tokens over the whole cache (SmolLM2 at 8K: ~125 ms of ~130 per compression). Summed over the
+    chunks that hold them, they are `prompt_block_masses`' masses of the same rows up to f32 rounding (bit for bit
+    when one chunk holds them all and the products are row-independent, as the native ones are). The logits and the
+    cache are `forward`'s bit for bit: the masses only read the probabilities, and each layer runs the attention
+    `forward` runs (`attention_with_block_mass` falls back to it)."""
+    B, T = tokens.shape
+    positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    base = first - cache.length  # the first scoring row's index in this chunk (negative: an earlier chunk holds it)
+    scoring = tuple(range(min(rows, T)))
+
+    def attend(i, form, q, k, v):
+        if type(form) is DenseKV:  # `_attend_layer`'s full-attention case, with the rows' masses where they come free
+            form = form.write(k, v, n_valid)
+            out, mass = attention_with_block_mass(q, form.k, form.v, positions, form.key_positions(), rows=scoring,
+                                                  block=block, row_base=base, implementation=implementation)
+            return out, form, mass
+        out, new = _attend_layer(form, q, k, v, positions, n_valid, make_attention_fn(implementation), implementation)
+        return out, new, None
+
+    h, layers, masses = decoder_stack(params, config, tokens, positions, cache.layers, attend)
+    logits = lm_head(params, config, h if logit_rows is None else jnp.take_along_axis(h, logit_rows[..., None], 1))
+    if any(m is None and type(f) is DenseKV for m, f in zip(masses, cache.layers)):
+        masses = None  # some full-attention layer's attention could not hand them out (decided by static shapes)
+    return logits, ModelCache(layers=layers, length=cache.length + n_valid), masses
 
 
 def refresh_masses(full: ModelCache, aux, *, block: int) -> tuple:
