@@ -355,28 +355,40 @@ class VeriCacheScheduler:
             self.mem.sample(self.emitted)
 
     def _verify_due(self, blocking_fetch: bool = False) -> None:
+        """Verify every due slot. A verification that reads a lent host copy (`offload.lends`: the CPU) holds no
+        device memory of its own, so the next one is dispatched before this one's result is read: the host's
+        bookkeeping and the next call's dispatch overlap the verifications instead of running between them
+        (measured, the bundled model's 8 x 16K lock-step run, 5 alternated runs each in one process: wall 0.92x,
+        verification phase 0.88x). Their order, and so every bit, is unchanged: each reads the draft batch the
+        previous one wrote. A fetched copy (an accelerator) is one of `verify_slots`, so its result is read, and its
+        copy freed, before the next fetch."""
         due = [s for s in self._order() if self._remaining(s) == 0]
         self.verifies_per_iteration.append(len(due))
         due.sort(key=lambda s: (s not in self.inflight, s))  # prefetched ones first
+        t0, fetch0, pending = time.perf_counter(), self.stats["fetch_s"], []
         for i, s in enumerate(due):
-            t = time.perf_counter()
             if s not in self.inflight:
                 self._prefetch([s])
             fetched = self.inflight.pop(s)
-            if blocking_fetch:
+            lent = offl.lends(fetched)
+            if blocking_fetch and not lent:
+                t = time.perf_counter()
                 jax.block_until_ready(fetched)
-                t2 = time.perf_counter()
-                self.stats["fetch_s"] += t2 - t
-                t = t2
-            else:
+                self.stats["fetch_s"] += time.perf_counter() - t
+            elif not blocking_fetch:
                 # the next due request's copy goes out while this one verifies (if a verify slot is free)
                 self._prefetch(due[i + 1:], busy=1)
-            self._verify_one(s, fetched)
+            pending.append((s, self._dispatch_verify(s, fetched)))
             del fetched
-            self.stats["verify_s"] += time.perf_counter() - t
-            self.mem.sample(self.emitted)
+            if not lent:
+                self._collect_verify(*pending.pop())
+        for s, out in pending:
+            self._collect_verify(s, out)
+        self.stats["verify_s"] += time.perf_counter() - t0 - (self.stats["fetch_s"] - fetch0)
+        self.mem.sample(self.emitted)
 
-    def _verify_one(self, s: int, fetched) -> None:
+    def _dispatch_verify(self, s: int, fetched) -> tuple:
+        """Slot s's verification (and re-selection, when due) dispatched; returns (emitted, n) to collect."""
         r = self.live[s]
         cfg, params = self.model.config, self.model.verify_params()
         fam = self.model.family
@@ -395,12 +407,17 @@ class VeriCacheScheduler:
             row = refresh_step(row, scratch, aux, family=fam)
             self.batch = ss.put_parts(self.batch, row, np.int32(s), family=fam)
         del row
-        n_host = int(np.asarray(n)[0])  # waits for the verification: its full-cache slot is free after this
         if r.host_kv is None:  # lent (`offload.lends`): the verify hands the host copy back
             r.host_kv = offl.take_back(fam, scratch)
-        del scratch
-        new = np.asarray(emitted)[0, :n_host + 1]  # on the host: a device slice compiles per length
         r.tail = tail
+        return emitted, n
+
+    def _collect_verify(self, s: int, out: tuple) -> None:
+        """Slot s's verified tokens read back (waiting for its verification) and booked."""
+        emitted, n = out
+        r = self.live[s]
+        n_host = int(np.asarray(n)[0])  # waits for the verification: its full-cache slot is free after this
+        new = np.asarray(emitted)[0, :n_host + 1]  # on the host: a device slice compiles per length
         r.length += n_host + 1
         r.out.extend(int(t) for t in new)
         self.emitted += len(new)

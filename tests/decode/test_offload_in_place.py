@@ -156,3 +156,21 @@ def test_refresh_compresses_a_prefilled_host_cache_where_it_lies(llama, monkeypa
     res = s.run([Request(prompt=prompt, max_new_tokens=20, prefilled=(full, first))])
     np.testing.assert_array_equal(res.outputs[0], ref)
     assert not any(t is full for t in fetched)  # the prefilled cache was never copied to the device
+
+
+def test_lent_verifications_are_dispatched_before_the_previous_ones_are_read(llama, monkeypatch):
+    """A verification reading a lent host copy holds no device memory, so the scheduler dispatches every due one
+    before reading any result (the host's work overlaps them); a fetched copy is read back before the next fetch."""
+    prompts = [np.random.default_rng(20 + i).integers(0, 97, 60).astype(np.int32) for i in range(3)]
+    pre = [prefill_request(llama, p, 12, draft_len=4) for p in prompts]
+    for lend, pattern in ((True, "ddd" + "ccc"), (False, "dc" * 3)):
+        monkeypatch.setattr(offl, "LEND_ON_CPU", lend)
+        s = sch.VeriCacheScheduler(llama, budget_bytes=1 << 40, draft_len=4, mode="lockstep",
+                                   compressor="streaming", compressor_kw=dict(ratio=4.0))
+        order = []
+        for name, tag in (("_dispatch_verify", "d"), ("_collect_verify", "c")):
+            real = getattr(s, name)
+            monkeypatch.setattr(s, name, lambda *a, _real=real, _tag=tag: (order.append(_tag), _real(*a))[1])
+        res = s.run([Request(prompt=p, max_new_tokens=12, prefilled=pp) for p, pp in zip(prompts, pre)])
+        assert "".join(order).startswith(pattern)  # the first phase verifies all three requests
+        assert len(res.outputs) == 3
