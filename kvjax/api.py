@@ -231,7 +231,7 @@ def _full_chunks(model: Model, ids: np.ndarray, max_new_tokens: int, sampling: S
     prefill through it (its Plan is appended to `plans`). `timing`: filled with the decode's measurements, a chunk
     that compiled left out of `tokens_per_s` (see `_timing_stats`)."""
     last, cache, plan, _ = prefill(model, ids, pick_capacity(ids.size + max_new_tokens + STREAM_CHUNK),
-                                prefix_cache=prefix_cache, on_chunk=on_prefill)
+                                   prefix_cache=prefix_cache, on_chunk=on_prefill)
     if plans is not None:
         plans.append(plan)
     seed_a = jnp.asarray([seed], jnp.int32)
@@ -378,10 +378,11 @@ class _VeriCacheConfig:
     recent_slots: int = 256
     adaptive_policy: str = "cost"
 
-    def scoring(self, model) -> tuple[int, int] | None:
+    @property
+    def scoring(self) -> tuple[int, int] | None:
         """What the prefill should score the prompt by for this run's drafter (`Compressor.prompt_scoring`): None
-        when it does not score that way."""
-        return getattr(model.family.make_compressor(self.compressor, model=model), "prompt_scoring", None)
+        when it does not score that way (another family's drafter)."""
+        return getattr(self.compressor, "prompt_scoring", None)
 
     def engine_kw(self, sampling, seed) -> dict:
         return dict(compressor=self.compressor, draft_len=self.x, offload=self.offload, temperature=sampling, seed=seed,
@@ -512,7 +513,7 @@ def vericache_one(model, ids, max_new_tokens, rule, sampling, seed, cfg: _VeriCa
         masses = prefilled[2] if len(prefilled) > 2 else None
     else:
         last, full, plan, masses = prefill(model, ids, vc.capacity_for(ids.size, max_new_tokens, cfg.xs[-1]),
-                                           prefix_cache=prefix_cache, on_chunk=on_prefill, scoring=cfg.scoring(model))
+                                           prefix_cache=prefix_cache, on_chunk=on_prefill, scoring=cfg.scoring)
         if keep_prefilled is not None:
             keep_prefilled(last, jax.tree.map(jnp.copy, full), masses)
     if on_plan is not None:

@@ -359,7 +359,7 @@ class VeriCacheScheduler:
         device memory of its own, so the next one is dispatched before this one's result is read: the host's
         bookkeeping and the next call's dispatch overlap the verifications instead of running between them
         (measured, the bundled model's 8 x 16K lock-step run, 5 alternated runs each in one process: wall 0.92x,
-        verification phase 0.88x). Their order, and so every bit, is unchanged: each reads the draft batch the
+        verification phase 0.90x). Their order, and so every bit, is unchanged: each reads the draft batch the
         previous one wrote. A fetched copy (an accelerator) is one of `verify_slots`, so its result is read, and its
         copy freed, before the next fetch."""
         due = [s for s in self._order() if self._remaining(s) == 0]
