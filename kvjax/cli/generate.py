@@ -287,8 +287,9 @@ def _run_vericache(model, ids, args, text: TextStream):
     # --compare-full checks the run against a reference decoded from the same prefilled state, and times the same
     # run again between its full-cache timings from it
     args.prefilled = kept.get("state")
-    args.rerun_vericache = lambda: api.vericache_one(model, ids, n, rule, sampling, args.seed, cfg,
-                                                     prefilled=args.prefilled + (kept.get("masses"),))
+    args.rerun_vericache = lambda: api.vericache_one(
+        model, ids, n, rule, sampling, args.seed, cfg,
+        prefilled=None if args.prefilled is None else (*args.prefilled, kept.get("masses")))
     return g, g.stats
 
 

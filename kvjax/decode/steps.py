@@ -76,16 +76,11 @@ def prefill_chunk_masses(params, config, cache, tokens: jax.Array, n_valid: jax.
     return logits[:, 0], cache, masses
 
 
-_NO_MASSES_YET = ()
-
-
-def _add_masses(total, masses):
-    """Per-layer sums of chunks' masses, starting from _NO_MASSES_YET; None (a chunk without them) stays None."""
-    if total is _NO_MASSES_YET:
-        return masses
-    if total is None or masses is None:
+def _sum_masses(chunks: list):
+    """Per-layer sums of the masses of the chunks that hold scoring rows (None if any chunk has none)."""
+    if any(m is None for m in chunks):
         return None
-    return tuple(None if a is None else a + b for a, b in zip(total, masses))
+    return tuple(None if parts[0] is None else sum(parts[1:], parts[0]) for parts in zip(*chunks))
 
 
 def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_chunk=None, all_logits: bool = False,
@@ -122,7 +117,7 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
         chunk = min(chunk, SHORT_CHUNK)
     scored = scoring is not None and model.family.forward_with_masses is not None and not all_logits
     w = min(scoring[0], T) if scoring is not None else 0
-    last, rows, masses = None, [], _NO_MASSES_YET
+    last, rows, held = None, [], []  # held: the masses of the chunks that hold scoring rows
     for start, width in chunk_plan(T, chunk, bulk_chunk):
         part = prompt[start:start + width]
         buf = np.zeros((1, width), np.int32)
@@ -132,8 +127,8 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
                                                   jnp.asarray([part.size], jnp.int32),
                                                   jnp.asarray([used + T - w], jnp.int32), family=model.family,
                                                   impl=model.attention, rows=w, block=scoring[1])
-            if start + part.size > T - w:  # this chunk holds some of the scoring rows
-                masses = _add_masses(masses, m)
+            if start + part.size > T - w:  # this chunk holds some of the scoring rows (the last one always does)
+                held.append(m)
             lg = None
         else:
             last, lg, cache = prefill_chunk(model.params, model.config, cache, jnp.asarray(buf),
@@ -147,7 +142,7 @@ def prefill(model, cache, prompt: np.ndarray, *, chunk: int = DEFAULT_CHUNK, on_
     if all_logits:
         return (np.concatenate(rows, axis=0), cache) + ((None,) if scoring is not None else ())
     if scoring is not None:
-        return last[0], cache, masses if scored and masses is not _NO_MASSES_YET else None
+        return last[0], cache, _sum_masses(held) if scored else None
     return last[0], cache
 
 
