@@ -28,8 +28,9 @@
 // per-block min/max position).
 //
 // Exactness: every (row, key) score is ONE chain over d in order -- q[0] * k[0], then fma(q[d], k[d], .) for
-// d = 1..D-1, then * scale -- whatever tile, panel or chunk the row lands in; exponentials and their sum are per row
-// (8 lane partials in slot order over the zero-padded block, then a fixed tree); p.V is one FMA chain per (row,
+// d = 1..D-1 -- whatever tile, panel or chunk the row lands in, and enters its exponential as 2^fma(s, scale * log2 e,
+// -(m * log2 e)) (`BlockRows`, simd.h's Exp2_16 / Exp2_8 / Exp2Scalar); exponentials and their sum are per row
+// (16 lane partials in slot order over the zero-padded block, then a fixed tree); p.V is one FMA chain per (row,
 // column) in slot order; blocks in slot order. Nothing a row computes depends on any other row, so its result is
 // bit-identical whether the call holds 1 row or 66 (the verify/reference contract, docs/exactness.md). Threads split
 // the work by tiles (and, when tiles do not divide among threads, by row ranges), never a row's keys, for the same
@@ -173,7 +174,19 @@ struct Prefetch {
     (void)n;
 #endif
   }
+  // A step of a tile's loop worth `inc` / 2^16 lines (`Scratch::pf_rate` times the step's work): the whole lines
+  // accumulated so far, the fraction kept for the next step.
+  void Credit(int64_t inc) {
+    credit += inc;
+    Lines(credit >> 16);
+    credit &= 0xFFFF;
+  }
+  int64_t credit = 0;
 };
+
+// The work of one exponential, in multiply-adds (a score or p.V step is one per lane): what `BlockRows` weighs the
+// phases by when it spreads the next block's prefetches over them (Exp2_16: ~17 vector operations per 16 lanes).
+constexpr int64_t kExpWork = 17;
 
 // The per-block scratch of one work unit. kT: the block's keys transposed, kT[d * npad + j] (keys past n are 0);
 // kp: the block's positions padded with -1 (never visible: lo >= 0); s: scores then probabilities, one row of
@@ -185,7 +198,7 @@ struct Scratch {
   std::vector<int32_t> kp, vis;
   std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
   Prefetch* pf = nullptr;     // the streams the tiles now running prefetch from (the next block's keys and values)
-  int64_t pf_lines = 0;       // lines per step of a tile's inner loop
+  int64_t pf_rate = 0;        // lines per unit of work (`kExpWork`), times 2^16
 };
 
 // One key block: n keys (up to its last occupied slot; npad = n rounded up to 8, nfull the block's own slots rounded
@@ -396,12 +409,14 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
 #define KVJAX_UNROLL _Pragma("GCC unroll 16")
 // Scores of R rows against V vectors of 8 keys (kt: kT at the first key), masked, stored, and folded into the rows'
 // lane maxima. Each (row, key) is ONE chain over d in order: q[0] * k[0], then fma(q[d], k[d], .) for d = 1..D-1,
-// then * scale -- no horizontal reduction, and the same arithmetic whatever R, V or the tile a row lands in.
+// unscaled (`BlockRows` scales it inside the exponential) -- no horizontal reduction, and the same arithmetic
+// whatever R, V or the tile a row lands in.
 template <int R, int V>
-inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, __m256 sc,
-                      const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                      float* rmax, int32_t* vis, Prefetch& pf_io, int64_t pf_lines) {
+inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_t D, const int32_t* kp,
+                      const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s, float* rmax,
+                      int32_t* vis, Prefetch& pf_io, int64_t pf_rate) {
   Prefetch pf = pf_io;  // in registers for the d loop (a reference's fields went through memory every step)
+  const int64_t inc = pf_rate * R * 8 * V;  // a step over d: R x 8V multiply-adds
   __m256 acc[R][V];
   {
     __m256 kv[V];
@@ -415,7 +430,7 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
     }
   }
   for (int64_t d = 1; d < D; ++d) {
-    pf.Lines(pf_lines);
+    pf.Credit(inc);
     const float* kd = kt + d * ld;
     __m256 kv[V];
     KVJAX_UNROLL
@@ -434,9 +449,8 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
     if (full[r]) {  // every key of the block visible to this row: masking would change nothing
       KVJAX_UNROLL
       for (int v = 0; v < V; ++v) {
-        const __m256 sv = _mm256_mul_ps(acc[r][v], sc);
-        _mm256_storeu_ps(s[r] + 8 * v, sv);
-        mx = _mm256_max_ps(mx, sv);
+        _mm256_storeu_ps(s[r] + 8 * v, acc[r][v]);
+        mx = _mm256_max_ps(mx, acc[r][v]);
       }
       _mm256_storeu_ps(rmax + 8 * r, mx);
       vis[r] = 1;
@@ -448,7 +462,7 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
     for (int v = 0; v < V; ++v) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + 8 * v));
       const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(p, vlo), _mm256_cmpgt_epi32(vhi, p));
-      const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(acc[r][v], sc), _mm256_castsi256_ps(ok));
+      const __m256 sv = _mm256_blendv_ps(ninf, acc[r][v], _mm256_castsi256_ps(ok));
       bits |= _mm256_movemask_ps(_mm256_castsi256_ps(ok));
       _mm256_storeu_ps(s[r] + 8 * v, sv);
       mx = _mm256_max_ps(mx, sv);
@@ -463,10 +477,11 @@ inline void ScoreTile(const float* const* q, const float* kt, int64_t ld, int64_
 // ScoreTile on 16 keys per register (V vectors of 16 keys): each lane the same chain over d as the 8-key tile, the
 // mask a lane mask, the tile's maxima folded into the row's 8 lane maxima (a max is exact in any order).
 template <int R, int V>
-inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int64_t D, __m512 sc,
-                        const int32_t* kp, const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s,
-                        float* rmax, int32_t* vis, Prefetch& pf_io, int64_t pf_lines) {
+inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int64_t D, const int32_t* kp,
+                        const int32_t* lo, const int32_t* hi, const uint8_t* full, float* const* s, float* rmax,
+                        int32_t* vis, Prefetch& pf_io, int64_t pf_rate) {
   Prefetch pf = pf_io;  // in registers for the d loop (a reference's fields went through memory every step)
+  const int64_t inc = pf_rate * R * 16 * V;  // a step over d: R x 16V multiply-adds
   __m512 acc[R][V];
   {
     __m512 kv[V];
@@ -480,7 +495,7 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
     }
   }
   for (int64_t d = 1; d < D; ++d) {
-    pf.Lines(pf_lines);
+    pf.Credit(inc);
     const float* kd = kt + d * ld;
     __m512 kv[V];
     KVJAX_UNROLL
@@ -499,9 +514,8 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
     if (full[r]) {  // every key of the block visible to this row: masking would change nothing
       KVJAX_UNROLL
       for (int v = 0; v < V; ++v) {
-        const __m512 sv = _mm512_mul_ps(acc[r][v], sc);
-        _mm512_storeu_ps(s[r] + 16 * v, sv);
-        mx = _mm512_max_ps(mx, sv);
+        _mm512_storeu_ps(s[r] + 16 * v, acc[r][v]);
+        mx = _mm512_max_ps(mx, acc[r][v]);
       }
       vis[r] = 1;
     } else {
@@ -511,7 +525,7 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
       for (int v = 0; v < V; ++v) {
         const __m512i p = _mm512_loadu_si512(kp + 16 * v);
         const __mmask16 ok = _mm512_cmpgt_epi32_mask(p, vlo) & _mm512_cmpgt_epi32_mask(vhi, p);
-        const __m512 sv = _mm512_mask_mul_ps(ninf, ok, acc[r][v], sc);
+        const __m512 sv = _mm512_mask_mov_ps(ninf, ok, acc[r][v]);
         bits |= ok;
         _mm512_storeu_ps(s[r] + 16 * v, sv);
         mx = _mm512_max_ps(mx, sv);
@@ -525,31 +539,39 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
 }
 #endif
 
-// p = exp(s - m) over npad scores in place (masked scores, -inf, give exactly 0); returns their sum, 8 lane
-// partials in slot order then the fixed tree.
-inline float ExpSum(float* s, int64_t npad, float m) {
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
+// p = 2^fma(s, c, -mt) over npad scores in place (`Exp2_16`; masked scores, -inf, give exactly 0); returns their sum:
+// 16 lane partials, lane i summing slots j = i (mod 16) in slot order, then lanes i and i + 8 added and Reduce8's tree
+// Sixteen partials, not eight: one add per 16 exponentials in the loop's chain instead of two dependent ones
+// (measured, the bundled model's 9-row verify attention at 32K, interleaved: 0.98-0.99x the time).
+inline float ExpSum(float* s, int64_t npad, float c, float mt, Prefetch& pf_io, int64_t pf_rate) {
+  Prefetch pf = pf_io;  // in registers for the loop
+  const __m256 vc = _mm256_set1_ps(c), vmt = _mm256_set1_ps(-mt);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
   int64_t j = 0;
 #if KVJAX_AVX512
-  // 16 exponentials per instruction, each lane Exp8's arithmetic; the two halves are added to the 8 lane partials in
-  // slot order (slots j..j+7, then j+8..j+15), as the 8-wide loop adds them
-  const __m512 vm16 = _mm512_set1_ps(m);
+  const __m512 vc16 = _mm512_set1_ps(c), vmt16 = _mm512_set1_ps(-mt);
+  __m512 acc = _mm512_setzero_ps();
   for (; j + 16 <= npad; j += 16) {
-    const __m512 p = Exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm16));
+    pf.Credit(pf_rate * 16 * kExpWork);
+    const __m512 p = Exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vc16, vmt16));
     _mm512_storeu_ps(s + j, p);
-    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
-    acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(p, 1));
+    acc = _mm512_add_ps(acc, p);
   }
+  lo = _mm512_castps512_ps256(acc);
+  hi = _mm512_extractf32x8_ps(acc, 1);
 #endif
-  for (; j < npad; j += 8) {
-    const __m256 sv = _mm256_loadu_ps(s + j);
-    const __m256 p = Exp8(_mm256_sub_ps(sv, vm));  // masked (-inf) scores: exactly 0
+  for (; j < npad; j += 8) {  // 8 slots at j: lanes 0-7 where j = 0 (mod 16), else 8-15
+    pf.Credit(pf_rate * 8 * kExpWork);
+    const __m256 p = Exp2_8(_mm256_fmadd_ps(_mm256_loadu_ps(s + j), vc, vmt));  // masked (-inf) scores: exactly 0
     _mm256_storeu_ps(s + j, p);
-    acc = _mm256_add_ps(acc, p);
+    if (j % 16 == 0)
+      lo = _mm256_add_ps(lo, p);
+    else
+      hi = _mm256_add_ps(hi, p);
   }
+  pf_io = pf;
   alignas(32) float t[8];
-  _mm256_store_ps(t, acc);
+  _mm256_store_ps(t, _mm256_add_ps(lo, hi));
   return Reduce8(t);
 }
 
@@ -558,10 +580,11 @@ inline float ExpSum(float* s, int64_t npad, float m) {
 // shape nor the register width changes a row's arithmetic.
 template <typename L, int R, int CC, typename T>
 inline void PVTile(float* const* o, bool first, const float* alpha, const float* const* p, const T* vb,
-                   const float* vs, int64_t m, int64_t D, Prefetch& pf_io, int64_t pf_lines) {
+                   const float* vs, int64_t m, int64_t D, Prefetch& pf_io, int64_t pf_rate) {
   Prefetch pf = pf_io;  // in registers for the j loop
   using V = typename L::V;
   constexpr int W = L::kWidth;
+  const int64_t inc = pf_rate * R * CC * W;  // a key: R x CC W multiply-adds
   V acc[R][CC];
   KVJAX_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -573,7 +596,7 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
     }
   }
   for (int64_t j = 0; j < m; ++j) {
-    pf.Lines(pf_lines);
+    pf.Credit(inc);
     V vv[CC];
     KVJAX_UNROLL
     for (int c = 0; c < CC; ++c) {
@@ -600,8 +623,8 @@ inline void PVTile(float* const* o, bool first, const float* alpha, const float*
 // panel in W.kT starts at key vector p0 and has row stride ld.
 // (Not inlined: in one function with the rest of the block's work the compiler spilled the accumulators.)
 template <int R, int V>
-__attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
-                      Scratch& W, int64_t p0, int64_t ld, __m256 sc) {
+__attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0,
+                                         int64_t v1, Scratch& W, int64_t p0, int64_t ld) {
   const float* q[R];
   int32_t lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
@@ -613,8 +636,8 @@ __attribute__((noinline)) void ScoreRows(const Problem& P, const Rows& R_, const
   for (int64_t v = v0; v < v1; v += V) {
     float* s[R];
     for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
-    ScoreTile<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
-                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_lines);
+    ScoreTile<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, W.kp.data() + 8 * v, lo, hi,
+                    W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_rate);
   }
 }
 
@@ -636,12 +659,11 @@ __attribute__((noinline)) void ScoreRows16(const Problem& P, const Rows& R_, con
     lo[r] = R_.lo[row];
     hi[r] = R_.hi[row];
   }
-  const __m512 sc = _mm512_set1_ps(P.scale);
   for (int64_t v = v0; v < v1; v += 2 * V) {
     float* s[R];
     for (int r = 0; r < R; ++r) s[r] = W.s.data() + (a0 + r) * P.block + 8 * v;
-    ScoreTile16<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, sc, W.kp.data() + 8 * v, lo, hi,
-                      W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_lines);
+    ScoreTile16<R, V>(q, W.kT.data() + 8 * (v - p0), ld, P.D, W.kp.data() + 8 * v, lo, hi,
+                      W.full.data() + a0, s, W.rmax.data() + 8 * a0, W.vis.data() + a0, *W.pf, W.pf_rate);
   }
 }
 
@@ -649,24 +671,25 @@ __attribute__((noinline)) void ScoreRows16(const Problem& P, const Rows& R_, con
 
 template <int R>
 inline void ScorePanel(const Problem& P, const Rows& R_, const int64_t* act, int64_t a0, int64_t v0, int64_t v1,
-                       Scratch& W, int64_t ld, __m256 sc) {
+                       Scratch& W, int64_t ld) {
   const int64_t p0 = v0;  // the panel's first key vector (kT's column 0)
 #if KVJAX_AVX512
   {
     // tiles of 4 16-key registers (R * 4 <= 24 accumulators of 32), then 2, then 1; the rest (a ragged last block's
     // last 8 keys) as an 8-key vector below
     const int64_t va = v0 + (v1 - v0) / 8 * 8, vb = va + (v1 - va) / 4 * 4, vc = vb + (v1 - vb) / 2 * 2;
-    ScoreRows16<R, 4>(P, R_, act, a0, v0, va, W, p0, ld);
-    ScoreRows16<R, 2>(P, R_, act, a0, va, vb, W, p0, ld);
-    ScoreRows16<R, 1>(P, R_, act, a0, vb, vc, W, p0, ld);
+    // (an empty range skips its call: each call first gathers its rows' pointers and positions)
+    if (va > v0) ScoreRows16<R, 4>(P, R_, act, a0, v0, va, W, p0, ld);
+    if (vb > va) ScoreRows16<R, 2>(P, R_, act, a0, va, vb, W, p0, ld);
+    if (vc > vb) ScoreRows16<R, 1>(P, R_, act, a0, vb, vc, W, p0, ld);
     v0 = vc;
     if (v0 == v1) return;
   }
 #endif
   constexpr int V = kScoreV<R>;
   const int64_t vfull = v0 + (v1 - v0) / V * V;
-  ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, p0, ld, sc);
-  ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, p0, ld, sc);  // a ragged last block
+  if (vfull > v0) ScoreRows<R, V>(P, R_, act, a0, v0, vfull, W, p0, ld);
+  if (v1 > vfull) ScoreRows<R, 1>(P, R_, act, a0, vfull, v1, W, p0, ld);  // a ragged last block
 }
 
 // p.V of rows live[i0 .. i0 + R) (indices into the chunk) over keys [j0, j0 + m) of the block.
@@ -694,27 +717,27 @@ __attribute__((noinline)) void PVRows(const Problem& P, Rows& R_, const int64_t*
   constexpr int CW = 4;  // 16-column registers per tile: R * CW <= 24 accumulators of 32
   for (; c + 2 * CW <= C; c += 2 * CW) {
     shifted(c, oc);
-    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, CW>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_rate);
   }
   // 32 columns per tile where 64 do not fit (D = 32: the tiny model's heads): each p[r][j] broadcast once for both
   // registers (one register per tile loaded a value and broadcast a probability per FMA: the tiny model's 9-row verify
   // at 32K spent over a quarter of its attention here)
   for (; c + 4 <= C; c += 4) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 2>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_rate);
   }
   for (; c + 2 <= C; c += 2) {
     shifted(c, oc);
-    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes16, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_rate);
   }
 #endif
   for (; c + CC <= C; c += CC) {
     shifted(c, oc);
-    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, CC>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_rate);
   }
   for (; c < C; ++c) {
     shifted(c, oc);
-    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_lines);
+    PVTile<Lanes8, R, 1>(oc, first, al, p, vb + j0 * D + 8 * c, vsj, m, D, *W.pf, W.pf_rate);
   }
   for (int r = 0; r < R; ++r)  // columns past the last whole vector (D % 8): the same chain, one lane at a time
     for (int64_t d = 8 * C; d < D; ++d) {
@@ -762,9 +785,10 @@ inline void StoreScore(const Problem& P, const Rows& R, Scratch& W, int64_t a, i
 
 // ------------------------------------------------------------------------------------------------ integer scores
 // A row's query as int8 codes for integer scores (qscores): amax = max |q|, codes round(q * (127 / amax)) (nearest,
-// ties to even), the row's factor (amax / 127) * scale. A key's score is then ((float)(codes . key codes) * factor) *
-// key scale: the integer dot product is exact, so its order (and the instructions that compute it) never matter.
-inline void QuantizeRow(const float* q, int64_t D, float scale, int8_t* q8, float* rs, int32_t* corr) {
+// ties to even), the row's factor amax / 127. A key's score (before the softmax scale, as the float path's) is then
+// ((float)(codes . key codes) * factor) * key scale: the integer dot product is exact, so its order (and the
+// instructions that compute it) never matter.
+inline void QuantizeRow(const float* q, int64_t D, int8_t* q8, float* rs, int32_t* corr) {
   float amax = 0.0f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -775,7 +799,7 @@ inline void QuantizeRow(const float* q, int64_t D, float scale, int8_t* q8, floa
     q8[d] = static_cast<int8_t>(v);
     sum += v;
   }
-  *rs = (amax / 127.0f) * scale;
+  *rs = amax / 127.0f;
   *corr = 128 * sum;
 }
 
@@ -912,19 +936,13 @@ inline void ScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int6
                        const Block<T>& blk, Prefetch& next) {
   const int64_t D = P.D, n = blk.n, npad = blk.npad;
 #if KVJAX_AVX2
-  const __m256 sc = _mm256_set1_ps(P.scale);
   const int64_t PK = PanelKeys(D, na), ntiles = (na + kRowTile - 1) / kRowTile;
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
                    W.kT.data(), next);
-    // each row tile issues its share of a panel's bytes of the next block's keys and values, a few lines per step
-    // over d
-    const int64_t lines = (ld * D * static_cast<int64_t>(sizeof(T)) / ntiles + 63) / 64;
-    W.pf = &next;
-    W.pf_lines = (lines + D - 2) / std::max<int64_t>(D - 1, 1);
     for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
-      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld, sc);
+      ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld);
   }
 #else
   (void)next;
@@ -938,7 +956,7 @@ inline void ScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int6
         acc = q[0] * Value(kr, blk.ks, j);
         for (int64_t d = 1; d < D; ++d) acc = std::fma(q[d], Value(kr + d, blk.ks, j), acc);
       }
-      StoreScore(P, R, W, a, row, j, acc * P.scale);
+      StoreScore(P, R, W, a, row, j, acc);
     }
   }
 #endif
@@ -957,6 +975,15 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   bool any[kChunk];
   std::fill(W.rmax.begin(), W.rmax.begin() + 8 * na, -INFINITY);
   std::fill(W.vis.begin(), W.vis.begin() + na, 0);
+  // The next block's lines, spread evenly over this block's work: scores, exponentials and p.V each issue them in
+  // proportion to their arithmetic (`Prefetch::Credit`). Per core, memory delivers only so many lines at once, so a
+  // phase that issued none (the exponentials did) left it idle, and the tiles' rounded-up shares issued ~70% of a
+  // block's lines during its scores. Measured (interleaved in one process, the same bits): the bundled model's 9-row
+  // verify attention at 32K 0.973x the time, SmolLM2's decode attention at 32K 0.965x.
+  W.pf = &next;
+  const int64_t lines = (next.k_left + next.v_left + 63) / 64;
+  const int64_t work = na * (npad * (D + kExpWork) + n * D);
+  W.pf_rate = ((lines << 16) + work - 1) / std::max<int64_t>(work, 1);
   for (int64_t a = 0; a < na; ++a) {
     const int64_t r = act[a];
     W.full[a] = blk.dense && R.lo[r] <= blk.pmin && blk.pmax <= R.hi[r];
@@ -970,22 +997,29 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   } else {
     ScoreBlock(P, R, act, na, W, blk, next);
   }
-  // 2. per row: the online-softmax update (exponentials and their sum over the padded block)
+  // 2. per row: the online-softmax update (exponentials and their sum over the padded block). The scores are unscaled
+  // dot products: p = exp(scale * s - m) = 2^t with t = fma(s, scale * log2 e, -(m * log2 e)), one rounding where
+  // scaling, subtracting and the exponential's own multiply by log2 e took three
+  const float c = P.scale * kLog2e;
   for (int64_t a = 0; a < na; ++a) {
     const int64_t r = act[a];
     any[a] = W.vis[a] != 0;
     if (!any[a]) continue;
-    const float m_new = std::max(R.m[r], Max8(W.rmax.data() + 8 * a));
+    // the block's maximum score: scaling by a positive factor and rounding are monotone, so the scaled maximum of
+    // the unscaled scores is the maximum of the scaled ones
+    const float m_new = std::max(R.m[r], Max8(W.rmax.data() + 8 * a) * P.scale);
     alpha[a] = ExpScalar(R.m[r] - m_new);  // finite - finite: m >= M_INIT, m_new a real score
     float* s = W.s.data() + a * BK;
+    const float mt = m_new * kLog2e;
 #if KVJAX_AVX2
-    const float psum = ExpSum(s, npad, m_new);
+    const float psum = ExpSum(s, npad, c, mt, next, W.pf_rate);
 #else
-    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float lanes[16] = {};  // ExpSum's 16 lane partials
     for (int64_t j = 0; j < npad; ++j) {
-      s[j] = ExpScalar(s[j] - m_new);  // masked (-inf) scores: exactly 0
-      lanes[j % 8] += s[j];
+      s[j] = Exp2Scalar(std::fma(s[j], c, -mt));  // masked (-inf) scores: exactly 0
+      lanes[j % 16] += s[j];
     }
+    for (int i = 0; i < 8; ++i) lanes[i] += lanes[i + 8];
     const float psum = Reduce8(lanes);
 #endif
     if (R.mass[r] >= 0) GroupSums(P, R.mass[r], blk, s, m_new);
@@ -1018,11 +1052,6 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     const int64_t m = std::min(SUB, n - j0);
     const bool first = j0 == 0;
 #if KVJAX_AVX2
-    const int64_t tiles = std::max<int64_t>(1, (nl + kRowTile - 1) / kRowTile);
-    // each row tile issues its share of a sub-block's bytes of the next block's keys and values, a few lines per key
-    const int64_t lines = (m * D * static_cast<int64_t>(sizeof(T)) / tiles + 63) / 64;
-    W.pf = &next;
-    W.pf_lines = (lines + m - 1) / m;
     for (int64_t i0 = 0; i0 < nl; i0 += kRowTile)
       ByRows<PVRowsF>(std::min(kRowTile, nl - i0), P, R, act, live, i0, W, alpha, vb, vscale, j0, m, first);
 #else
@@ -1038,6 +1067,7 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
     }
 #endif
   }
+  next.Lines(lines);  // what the rounding left (the next block needs all of it)
 }
 
 // One work unit: rows [r0, r1) of tile (b, h), rows numbered r = t * G + g (query head h * G + g), against key
@@ -1119,7 +1149,7 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
     R.q8.resize(NR * D);
     R.qrs.resize(NR);
     R.qcorr.resize(NR);
-    for (int64_t r = 0; r < NR; ++r) QuantizeRow(R.q[r], D, P.scale, R.q8.data() + r * D, &R.qrs[r], &R.qcorr[r]);
+    for (int64_t r = 0; r < NR; ++r) QuantizeRow(R.q[r], D, R.q8.data() + r * D, &R.qrs[r], &R.qcorr[r]);
   }
   // The thread's scratch, kept between calls (every element a call reads it writes first): a draft's call of a few
   // rows per head allocated and zero-filled a whole chunk's scores (96 x 256 floats at D = 32) per unit.
@@ -1242,6 +1272,9 @@ ffi::Error ReadProblem(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuff
     return ffi::Error::InvalidArgument("v must have k's shape");
   if (v.element_type() != k.element_type()) return ffi::Error::InvalidArgument("k and v must have one dtype");
   if (block < 8 || block % 8) return ffi::Error::InvalidArgument("block must be a positive multiple of 8");
+  // the kernel takes each block's maximum of the unscaled scores, then scales it (`BlockRows`): a monotone map only
+  // for a positive scale
+  if (!(scale > 0.0f)) return ffi::Error::InvalidArgument("scale must be positive");
   P.q = q.typed_data();
   P.k = k.untyped_data();
   P.v = v.untyped_data();
