@@ -1209,11 +1209,15 @@ void RunUnit(const Problem& P, int64_t b, int64_t h, int64_t r0, int64_t r1, int
 // kMinSegmentKeys slots is one segment (the plain online softmax over every block in order).
 // Why: one decode row attends each KV head's whole cache; SmolLM2's 3 KV heads on 2 threads left one thread two
 // heads' keys (a third of the time the other idled) at one core's bandwidth. Segments give every thread an equal
-// share of the keys (flash-decoding's split-K, with a fixed split). Half the capacity, within [1024, 2048] keys: a
+// share of the keys (flash-decoding's split-K, with a fixed split). Half the capacity, within [1024, 8192] keys: a
 // draft's kept part (SmolLM2's 2,016 bf16 slots per head) then takes two segments, not one (its 30 layers as a chain:
-// 0.83x the time; 0.77x with its recent ring), while a long full cache keeps 2,048-key segments (1,024 ran SmolLM2's
-// 8K decode 1.02x and its 9-row verify 1.04x slower: more segments to merge per row).
-constexpr int64_t kMinSegmentKeys = 1024, kMaxSegmentKeys = 2048;
+// 0.83x the time; 0.77x with its recent ring), while a long full cache takes segments of up to 8,192 keys (1,024 ran
+// SmolLM2's 8K decode 1.02x and its 9-row verify 1.04x slower than 2,048: more segments to merge per row). 8,192
+// against 2,048, interleaved in one process, two runs each: the bundled model's 9-row verify attention at 32K 0.920x
+// and 0.954x the time, its decode 0.952x and 0.935x; SmolLM2's decode at 8K 0.991x, its 9 rows 0.979x; at 32K decode
+// 1.034x and 0.982x, 9 rows 1.009x. (16,384, two segments per head: SmolLM2 at 32K 1.020x, 3 KV heads' 6 units
+// balancing worse on 2 threads.)
+constexpr int64_t kMinSegmentKeys = 1024, kMaxSegmentKeys = 8192;
 
 inline int64_t SegmentBlocks(int64_t block, int64_t capacity) {
   const int64_t keys = std::clamp<int64_t>(capacity / 2, kMinSegmentKeys, kMaxSegmentKeys);

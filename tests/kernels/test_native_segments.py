@@ -1,7 +1,7 @@
-"""The native kernel over caches longer than one key segment (2,048 keys): each segment's statistics are computed
-apart and merged in segment order. Against the f32 reference (ragged lengths that leave whole segments empty, windows
-that start inside a later segment, per-head positions, fully masked rows), a row's bits independent of the other rows
-in the call, bf16 keys read as their f32 values, and (slow) the scalar build's bits."""
+"""The native kernel over caches longer than one key segment (half the capacity, 1,024-8,192 keys): each segment's
+statistics are computed apart and merged in segment order. Against the f32 reference (ragged lengths that leave whole
+segments empty, windows that start inside a later segment, per-head positions, fully masked rows), a row's bits
+independent of the other rows in the call, bf16 keys read as their f32 values, and (slow) the scalar build's bits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pallas_kernels import reference as ref
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 
 TOL = dict(atol=2e-5, rtol=2e-5)
-S = 5000  # D = 32: blocks of 256 keys, segments of 8 blocks -> 3 segments, the last one partial
+S = 5000  # D = 32: blocks of 256 keys, segments of 9 blocks (2,500 keys rounded down) -> 3, the last partial
+SEGMENT = 2304
 
 
 def _native(q, k, v, q_pos, k_pos, window=None):
@@ -52,8 +53,8 @@ def test_a_draft_sized_cache_in_two_segments_matches_the_reference(S_small, D):
 
 def test_fully_masked_rows_stay_zero_across_segments():
     q, k, v, _, k_pos = _case(3, 2, S=S, lengths=(4990, 4990))
-    q_pos = jnp.asarray([[-1, 0, 4100], [2500, 2600, 4900]], jnp.int32)  # padding; slot 0 only; one per segment
-    k_pos = k_pos.at[1, :2048].set(-1)  # sequence 1: the first segment empty
+    q_pos = jnp.asarray([[-1, 0, 4700], [2500, 2600, 4900]], jnp.int32)  # padding; slot 0 only; one per segment
+    k_pos = k_pos.at[1, :SEGMENT].set(-1)  # sequence 1: the first segment empty
     got = _native(q, k, v, q_pos, k_pos)
     np.testing.assert_allclose(got, _reference(q, k, v, q_pos, k_pos), **TOL)
     assert np.all(got[0, 0] == 0)
