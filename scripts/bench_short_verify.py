@@ -72,7 +72,8 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
     res = {}
     for _ in range(rounds):  # interleaved: a load change on the shared machine hits every implementation alike
         for impl in impls:
-            jax.clear_caches()
+            if len(impls) > 1:
+                jax.clear_caches()  # one implementation's programs at a time
             res.setdefault(f"{impl} decode step", []).append(decode_ms(impl))
             for x in draft_lens:
                 res.setdefault(f"{impl} verify x={x}", []).append(verify_ms(x, impl))
@@ -84,8 +85,13 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
         rec = dict(ms=min(v), runs_ms=v)
         steps_ = ""
         if "decode" not in name:
-            rec["decode_steps"] = min(v) / best[f"{impl} decode step"]
-            steps_ = f"  = {rec['decode_steps']:5.2f} decode steps"
+            # best against best, and the median of each round's verify over the same round's decode step: the
+            # machine's load drifts between rounds, a round's two timings are a few seconds apart
+            per_round = [a / b for a, b in zip(v, res[f"{impl} decode step"])]
+            rec.update(decode_steps=min(v) / best[f"{impl} decode step"], decode_steps_per_round=per_round,
+                       decode_steps_median=float(np.median(per_round)))
+            steps_ = (f"  = {rec['decode_steps']:5.2f} decode steps (median of rounds "
+                      f"{rec['decode_steps_median']:.2f})")
         out[name] = rec
         print(f"  {name:22s} {min(v):8.2f} ms{steps_}  (runs: {', '.join(f'{a:.2f}' for a in v)})", flush=True)
     return out
