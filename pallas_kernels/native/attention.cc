@@ -134,7 +134,8 @@ struct Rows {
   std::vector<const float*> q;
   std::vector<int64_t> mass;  // per row: its (b, mass row, head) index into gsum / gmax, or -1
   // qscores: per row its query as int8 codes (q8, D each), the f32 factor of its integer scores (qrs: the codes'
-  // scale times the softmax scale) and 128 x the sum of its codes (qcorr: what scoring keys made unsigned adds)
+  // scale; the softmax scale enters with the exponential) and 128 x the sum of its codes (qcorr: what scoring keys
+  // made unsigned adds)
   std::vector<int8_t> q8;
   std::vector<float> qrs;
   std::vector<int32_t> qcorr;
@@ -540,7 +541,7 @@ inline void ScoreTile16(const float* const* q, const float* kt, int64_t ld, int6
 #endif
 
 // p = 2^fma(s, c, -mt) over npad scores in place (`Exp2_16`; masked scores, -inf, give exactly 0); returns their sum:
-// 16 lane partials, lane i summing slots j = i (mod 16) in slot order, then lanes i and i + 8 added and Reduce8's tree
+// 16 lane partials, lane i summing slots j = i (mod 16) in slot order, then lanes i and i + 8 added and Reduce8's tree.
 // Sixteen partials, not eight: one add per 16 exponentials in the loop's chain instead of two dependent ones
 // (measured, the bundled model's 9-row verify attention at 32K, interleaved: 0.98-0.99x the time).
 inline float ExpSum(float* s, int64_t npad, float c, float mt, Prefetch& pf_io, int64_t pf_rate) {
@@ -936,7 +937,7 @@ inline void ScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int6
                        const Block<T>& blk, Prefetch& next) {
   const int64_t D = P.D, n = blk.n, npad = blk.npad;
 #if KVJAX_AVX2
-  const int64_t PK = PanelKeys(D, na), ntiles = (na + kRowTile - 1) / kRowTile;
+  const int64_t PK = PanelKeys(D, na);
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
