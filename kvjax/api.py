@@ -382,7 +382,7 @@ class _VeriCacheConfig:
     def scoring(self) -> tuple[int, int] | None:
         """What the prefill should score the prompt by for this run's drafter (`Compressor.prompt_scoring`): None
         when it does not score that way (another family's drafter)."""
-        return getattr(self.compressor, "prompt_scoring", None)
+        return self.compressor.prompt_scoring
 
     def engine_kw(self, sampling, seed) -> dict:
         return dict(compressor=self.compressor, draft_len=self.x, offload=self.offload, temperature=sampling, seed=seed,

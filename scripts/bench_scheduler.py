@@ -169,7 +169,7 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     # the drafter's prompt scores come out of each prefill (as the scheduler's own prefill does on admission)
-    scoring = getattr(model.family.make_compressor(comp_name, model=model, **ckw), "prompt_scoring", None)
+    scoring = model.family.make_compressor(comp_name, model=model, **ckw).prompt_scoring
     pre = [requests.prefill_request(model, p, M, draft_len=x, scoring=scoring) for p in prompts]
     masses = [pp[2] if len(pp) > 2 else None for pp in pre]
     pre = [pp[:2] for pp in pre]

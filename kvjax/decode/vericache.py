@@ -104,11 +104,11 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
     if rejection and sampling.as_sampling(temperature).greedy:
         raise InputError("rejection sampling needs temperature > 0")
     comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
-    draft_params(model, getattr(comp, "draft_weights", "float32"))  # checked (and made once) before any compute
+    draft_params(model, comp.draft_weights)  # checked (and made once) before any compute
     xs = _draft_lengths(model, draft_len, adaptive)
     full, first, first_logits, *scored = prefill_for(model, prompt_ids, max_new_tokens, max_draft=xs[-1],
                                                      temperature=temperature, seed=seed, return_logits=True,
-                                                     scoring=getattr(comp, "prompt_scoring", None))
+                                                     scoring=comp.prompt_scoring)
     return run_vericache(model, full, first, prompt_ids, max_new_tokens, compressor=comp, draft_len=draft_len,
                          prompt_masses=scored[0] if scored else None,
                          offload=offload, temperature=temperature, seed=seed, rejection=rejection, adaptive=adaptive,
@@ -121,8 +121,7 @@ def generate_vericache(model, prompt_ids, max_new_tokens: int, *, compressor=Non
 def scored(comp, prompt_masses) -> dict:
     """The keyword that hands a prefill's prompt masses to drafter `comp`, where there are some and it takes them
     (`Compressor.prompt_scoring`; other families' drafters take no such keyword)."""
-    return {"prompt_masses": prompt_masses} if prompt_masses is not None and getattr(
-        comp, "prompt_scoring", None) is not None else {}
+    return {"prompt_masses": prompt_masses} if prompt_masses is not None and comp.prompt_scoring is not None else {}
 
 
 def prefill_for(model, prompt_ids, max_new_tokens: int, *, max_draft: int, temperature: float = 0.0, seed: int = 0,
@@ -164,7 +163,7 @@ def run_vericache(model, full, first, prompt_ids, max_new_tokens: int, *, compre
     seed_a = jnp.asarray([seed], jnp.int32)
     met = RunMetrics(name=f"vericache[{getattr(comp, 'name', type(comp).__name__)}]", params=params)
     # what drafting reads: the model's weights or their bf16 copy (checked, and made once per model, before any compute)
-    dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))
+    dparams = draft_params(model, comp.draft_weights)
     vparams = model.verify_params()  # what verification reads (`Model.verify_params`: the loops' packed layout on CPU)
     t0 = time.perf_counter()
     if draft_cache is None:

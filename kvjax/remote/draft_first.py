@@ -258,7 +258,7 @@ def serve_draft_first(model, store: RemoteStore, prompt_ids, max_new_tokens: int
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     P = prompt.size
     comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
-    dparams = draft_params(model, getattr(comp, "draft_weights", "float32"))  # checks it
+    dparams = draft_params(model, comp.draft_weights)  # checks it
     ident = pe.draft_identity(comp, recent_slots)
     reasons: list[str] = []
     body = _find_full(model, store, ns, prompt, reasons)

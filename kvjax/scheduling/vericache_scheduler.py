@@ -132,7 +132,7 @@ class VeriCacheScheduler:
         self.budget = int(budget_bytes)
         self.comp = model.family.make_compressor(compressor, model=model, **(compressor_kw or {}))
         # what drafting reads: the model's weights, or their bf16 copy (`kvjax.decode.draft_weights`)
-        self.draft_params = draft_params(model, getattr(self.comp, "draft_weights", "float32"))
+        self.draft_params = draft_params(model, self.comp.draft_weights)
         self.x = draft_len
         self.mode = mode
         self.stagger = stagger
@@ -504,7 +504,7 @@ class VeriCacheScheduler:
             # the drafter's prompt scores from the prefill's own attention where it scores that way (no second pass)
             full, first, *scored = vc.prefill_for(self.model, prompt, req.max_new_tokens, max_draft=self.x,
                                                   temperature=self.temperature, seed=req.seed,
-                                                  scoring=getattr(self.comp, "prompt_scoring", None))
+                                                  scoring=self.comp.prompt_scoring)
             masses = scored[0] if scored else None
             # committed to the device like a fetched prefix (no copy: it is there already): jit keys on
             # committedness, and every state derived from `full` must reach the steps as one kind of argument

@@ -94,6 +94,11 @@ class EntryDraft:
     bits: int = 0
     name: str = "streaming"
 
+    # What every drafter answers (`kvjax.compress.base.Compressor`'s fields of the same names): a V4 draft reads the
+    # model's f32 weights and takes no prompt masses from the prefill.
+    draft_weights = "float32"
+    prompt_scoring = None
+
     def keep_recent(self, count: int) -> int:
         return max(0, math.ceil(count / self.ratio) - self.sinks)
 
