@@ -142,7 +142,7 @@ inline typename L::V Exp2Poly(typename L::V f) {
 }
 
 // Exp2Scalar on 8 lanes. The kernel's arguments are t <= 0 (up to rounding), so there is no upper clamp on the hot
-// path; t > 127 (never passed) would give garbage here where Exp2Scalar gives inf.
+// path; t > 127 (never passed) is outside both forms' range (ExpScalar clamps exp's argument for its callers).
 inline __m256 Exp2_8(__m256 t) {
   const __m256 in_range = _mm256_cmp_ps(t, _mm256_set1_ps(kExp2Lo), _CMP_GE_OQ);
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
