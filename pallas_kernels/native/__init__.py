@@ -366,6 +366,8 @@ def _stats_call(target, q, k, window, scale, block, extra=()):
     K = k.shape[1]
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    if scale is not None and not scale > 0:  # the kernel scales each block's maximum (a monotone map only then)
+        raise ValueError(f"scale must be positive, got {scale}")
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((B, T, N, D), f32), jax.ShapeDtypeStruct((B, T, N), f32),
            jax.ShapeDtypeStruct((B, T, N), f32), *extra)

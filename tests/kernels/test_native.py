@@ -224,3 +224,18 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
                     for target in (native.TARGET, "kvjax_attend_scalar_test")]
             for a, b in zip(*outs):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), (kv_dtype, T, G, D, window)
+
+
+def test_a_non_positive_scale_is_refused():
+    """The kernel takes each block's maximum before scaling it, which holds for a positive scale only: the Python
+    entry points refuse anything else with a one-line error, and the custom call itself as a backstop."""
+    q, k, v, q_pos, k_pos = _case(3, 2, lengths=(300, 200))
+    for scale in (0.0, -0.5):
+        with pytest.raises(ValueError, match="scale must be positive"):
+            native.attend_stats(q, k, v, q_pos, k_pos, scale=scale)
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
+              jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    call = jax.ffi.ffi_call(native.TARGET, shapes)
+    with pytest.raises(Exception, match="scale must be positive"):
+        jax.block_until_ready(call(q, k, v, q_pos, k_pos, window=np.int64(0), scale=np.float32(-1.0),
+                                   block=np.int64(native.default_block(q.shape[-1]))))
