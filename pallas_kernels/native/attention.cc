@@ -199,7 +199,7 @@ struct Scratch {
   std::vector<int32_t> kp, vis;
   std::vector<uint8_t> full;  // per row of the chunk: every key of the block is visible to it
   Prefetch* pf = nullptr;     // the streams the tiles now running prefetch from (the next block's keys and values)
-  int64_t pf_rate = 0;        // lines per unit of work (`kExpWork`), times 2^16
+  int64_t pf_rate = 0;        // lines per multiply-add of the block's work (`BlockRows`, `kExpWork`), times 2^16
 };
 
 // One key block: n keys (up to its last occupied slot; npad = n rounded up to 8, nfull the block's own slots rounded
