@@ -39,6 +39,17 @@ QUERY_ROWS = (0, -1)  # the verify rows whose queries score: the last emitted to
 MASS_BLOCK = 16  # the block of the verify's own masses: the refreshing drafter's default (`Refresh.block`)
 
 
+def _attend_full_with_masses(form: DenseKV, q, k, v, positions, n_valid, *, rows: tuple[int, ...], block: int,
+                             row_base=None, implementation: str | None):
+    """`_attend_layer`'s full-attention case (write the new rows, attend over the whole cache), with the block masses
+    of query rows `rows` (moved by `row_base`) where the attention computes them free (`attention_with_block_mass`;
+    None elsewhere). Returns (out, new form, mass)."""
+    form = form.write(k, v, n_valid)
+    out, mass = attention_with_block_mass(q, form.k, form.v, positions, form.key_positions(), rows=rows, block=block,
+                                          row_base=row_base, implementation=implementation)
+    return out, form, mass
+
+
 def verify_with_queries(params, config: ModelConfig, cache: ModelCache, tokens, n_valid, *,
                         implementation: str | None = None):
     """The verify-shape forward: (logits f32[B, T, V], new cache, (queries: per layer f32[B, 2, N, D] of rows
@@ -50,10 +61,9 @@ def verify_with_queries(params, config: ModelConfig, cache: ModelCache, tokens, 
     r = jnp.asarray([j % T for j in QUERY_ROWS], jnp.int32)
 
     def attend(i, form, q, k, v):
-        if type(form) is DenseKV:  # `_attend_layer`'s full-attention case, with the rows' masses where they come free
-            form = form.write(k, v, n_valid)
-            out, mass = attention_with_block_mass(q, form.k, form.v, positions, form.key_positions(), rows=QUERY_ROWS,
-                                                  block=MASS_BLOCK, implementation=implementation)
+        if type(form) is DenseKV:
+            out, form, mass = _attend_full_with_masses(form, q, k, v, positions, n_valid, rows=QUERY_ROWS,
+                                                       block=MASS_BLOCK, implementation=implementation)
             return out, form, (q[:, r], mass)
         out, new = _attend_layer(form, q, k, v, positions, n_valid, attn)
         return out, new, ((q[:, r], None) if isinstance(new, DenseKV) else (None, None))
@@ -85,11 +95,9 @@ def forward_with_masses(params, config: ModelConfig, cache: ModelCache, tokens, 
     scoring = tuple(range(min(rows, T)))
 
     def attend(i, form, q, k, v):
-        if type(form) is DenseKV:  # `_attend_layer`'s full-attention case, with the rows' masses where they come free
-            form = form.write(k, v, n_valid)
-            out, mass = attention_with_block_mass(q, form.k, form.v, positions, form.key_positions(), rows=scoring,
-                                                  block=block, row_base=base, implementation=implementation)
-            return out, form, mass
+        if type(form) is DenseKV:
+            return _attend_full_with_masses(form, q, k, v, positions, n_valid, rows=scoring, block=block,
+                                            row_base=base, implementation=implementation)
         out, new = _attend_layer(form, q, k, v, positions, n_valid, make_attention_fn(implementation), implementation)
         return out, new, None
 
