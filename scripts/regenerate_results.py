@@ -225,7 +225,7 @@ RESULTS: tuple[Result, ...] = (
            ("--heads", "9,3,64", "--rows", "1,5,9,17,33,256", "--slots", "2048,4096,8192", "--reps", "3",
             "--json", f"{RESULTS_DIR}/attention_peers_smollm2.json"), 5),
     Result("short_verify_tiny_32k", "short_verify", "tiny, 32K", "scripts/bench_short_verify.py",
-           ("--skip-layer", "--context", "32768", "--draft-lens", "8,32", "--rounds", "1",
+           ("--skip-layer", "--context", "32768", "--draft-lens", "8,32", "--rounds", "5",
             "--json", f"{RESULTS_DIR}/short_verify_tiny_32k.json"), 10),
 )
 

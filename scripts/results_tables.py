@@ -344,17 +344,26 @@ def render_attention_peers(items) -> str:
 
 
 def _step_times(doc) -> dict:
-    """The {'<impl> decode step' | '<impl> verify x=<n>': ms} mapping anywhere in a bench_short_verify file."""
+    """The {'<impl> decode step' | '<impl> verify x=<n>': (ms, median of rounds in decode steps or None)} mapping
+    anywhere in a bench_short_verify file."""
     pat = re.compile(r"\S+ (decode step|verify x=\d+)")
     if isinstance(doc, dict):
         if doc and all(isinstance(k, str) and pat.fullmatch(k) for k in doc):
-            # each timing is ms, or a record {"ms": ..., "runs_ms": [...], "decode_steps": ...}
-            return {k: (v["ms"] if isinstance(v, dict) else v) for k, v in doc.items()}
+            # each timing is ms, or a record {"ms": ..., "runs_ms": [...], "decode_steps": ...,
+            # "decode_steps_median": ...} (the median over rounds of each round's verify / decode step)
+            return {k: (v["ms"], v.get("decode_steps_median")) if isinstance(v, dict) else (v, None)
+                    for k, v in doc.items()}
         for v in doc.values():
             found = _step_times(v)
             if found:
                 return found
     return {}
+
+
+def _verify_cell(x: str, ms: float, median: float | None, dec: float | None) -> str:
+    """'x = 8: 11.2 = 1.8' (best verify over best decode step), with ' (median of rounds 2.0)' where recorded."""
+    cell = f"x = {x}: {num(ms)} = {ms / dec:.1f}" if dec else f"x = {x}: {num(ms)}"
+    return cell + (f" (median of rounds {median:.1f})" if median is not None else "")
 
 
 def render_short_verify(items) -> str:
@@ -370,10 +379,9 @@ def render_short_verify(items) -> str:
             raise ValueError(f"{res.path}: no '<impl> decode step' / '<impl> verify x=N' timings found; "
                              f"render_short_verify needs updating for this layout")
         for impl in dict.fromkeys(k.split()[0] for k in steps):
-            dec = steps.get(f"{impl} decode step")
-            ver = [(k.split("=")[1], v) for k, v in steps.items() if k.startswith(f"{impl} verify")]
-            rows.append([res.label, impl, num(dec), "; ".join(
-                f"x = {x}: {num(v)} = {v / dec:.1f}" if dec else f"x = {x}: {num(v)}" for x, v in ver)])
+            dec = steps.get(f"{impl} decode step", (None, None))[0]
+            ver = [(k.split("=")[1], *v) for k, v in steps.items() if k.startswith(f"{impl} verify")]
+            rows.append([res.label, impl, num(dec), "; ".join(_verify_cell(x, ms, med, dec) for x, ms, med in ver)])
     return table(header, rows)
 
 

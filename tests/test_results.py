@@ -157,6 +157,11 @@ def test_renderers_read_the_schemas_of_results_still_to_come(tmp_path):
     (tmp_path / sv.path).write_text(json.dumps(dict(meta={}, steps={"native decode step": 10.0,
                                                                     "native verify x=8": 26.0})))
     assert "x = 8: 26 = 2.6" in rt.render_block("short_verify", [sv], str(tmp_path))
+    # the records bench_short_verify writes now: best against best, and the median of the rounds' own ratios
+    (tmp_path / sv.path).write_text(json.dumps(dict(steps={
+        "native decode step": dict(ms=10.0, runs_ms=[10.0, 12.0]),
+        "native verify x=8": dict(ms=16.0, runs_ms=[16.0, 30.0], decode_steps=1.6, decode_steps_median=2.04)})))
+    assert "| 10 | x = 8: 16 = 1.6 (median of rounds 2.0) |" in rt.render_block("short_verify", [sv], str(tmp_path))
 
 
 def test_machine_line_prefers_what_the_files_record():
