@@ -12,22 +12,27 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py
 
 
 def pytest_configure(config):
-    """A compilation cache on disk for this run (removed at its end), shared by the test modules and the subprocesses
-    they start (the environment variables carry it).
+    """A compilation cache on disk for this run (removed at its end), shared by the xdist workers and the
+    subprocesses the tests start (the environment variables carry it).
 
     Modules build the same tiny models and compile the same programs; after `_release_compiled_programs` drops them
-    from memory, a later module reloads an executable from disk instead of compiling it again (a cache hit still
-    fills the jitted function's own cache, so the tests that count compiled programs count the same). One directory
-    per xdist worker, so no two processes write the same files.
+    from memory, a later module -- on either worker -- loads an executable from disk instead of compiling it again (a
+    cache hit still fills the jitted function's own cache, so the tests that count compiled programs count the same).
+    One directory for the whole run: JAX's cache key includes the directory's path (it names XLA's own cache files
+    inside it), so per-worker directories never shared an entry. The process that made the directory (the xdist
+    controller, or the only process) removes it; a worker finds it in the environment. Two workers writing one key at
+    once can at worst leave a torn file, which JAX fails to decompress, warns about and compiles again.
     """
     import shutil
     import tempfile
 
     if os.environ.get("KVJAX_TEST_COMPILE_CACHE") == "0":
         return
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    path = tempfile.mkdtemp(prefix=f"kvjax-test-xla-cache-{worker}-")
-    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    path = os.environ.get("KVJAX_TEST_COMPILE_CACHE_DIR")
+    if path is None:
+        path = tempfile.mkdtemp(prefix="kvjax-test-xla-cache-")
+        os.environ["KVJAX_TEST_COMPILE_CACHE_DIR"] = path  # inherited by the workers xdist starts after this hook
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
     settings = {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     os.environ.update(settings)
