@@ -188,6 +188,14 @@ struct Prefetch {
 // The work of one exponential, in multiply-adds (a score or p.V step is one per lane): what `BlockRows` weighs the
 // phases by when it spreads the next block's prefetches over them (Exp2_16: ~17 vector operations per 16 lanes).
 constexpr int64_t kExpWork = 17;
+// ... and of moving one key element into the transposed panel (`TransposePanel`, once per block whatever the rows):
+// a 16 x 16 step is 16 loads, 64 shuffles and 16 stores for 256 elements. Its share of the lines used to be a fixed 2
+// per step, ~6% of a block's lines at D = 32, while the transposition is about a third of a decode row's work; the
+// rest ran ahead during the tiles. Measured (per layer of kernel 0, interleaved in one process, the same bits): the
+// bundled model's decode attention at 32K (1 row, 4 KV heads, 4 layers) 0.906-0.920x the time by medians with a weight
+// of 3 (5: 0.919x, 10: 0.913x); SmolLM2's at 32K 0.920x, at 8K 0.99-1.00x; the 9-row verify 0.96-0.98x (SmolLM2,
+// 8K) and 0.98-1.00x (bundled, 32K).
+constexpr int64_t kTransposeWork = 3;
 
 // The per-block scratch of one work unit. kT: the block's keys transposed, kT[d * npad + j] (keys past n are 0);
 // kp: the block's positions padded with -1 (never visible: lo >= 0); s: scores then probabilities, one row of
@@ -330,11 +338,11 @@ __attribute__((always_inline)) inline void Transpose16x16(const __m512* r, float
 #endif
 
 // Transposes keys [0, n) (kb: n x D, f32, bf16 or int8 codes with scales ks) into kT[d * ld + j] as f32,
-// zero-padding columns [n, ld); issues two lines of `pf` per 16 x 16 step (measured: 0.97-0.98x the time of a
-// decode row's attention without, whose transposition is a large part of its work).
+// zero-padding columns [n, ld); each 16 x 16 step issues its share of `pf`'s lines (`Prefetch::Credit`, weighted by
+// `kTransposeWork`), as the tiles do.
 template <typename T>
 inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, int64_t ld, float* kT,
-                           Prefetch& pf_io) {
+                           Prefetch& pf_io, int64_t pf_rate) {
   Prefetch pf = pf_io;  // in registers for the loop
   int64_t j = 0;
 #if KVJAX_AVX512
@@ -345,7 +353,7 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
     for (; j + 16 <= n; j += 16) {
       const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        pf.Lines(2);
+        pf.Credit(pf_rate * 256 * kTransposeWork);
         __m512 r[16];
         for (int i = 0; i < 16; ++i) {
           r[i] = Load16(k0 + i * D + d0);  // key j + i's values of d0..d0+15
@@ -946,7 +954,7 @@ inline void ScoreBlock(const Problem& P, const Rows& R, const int64_t* act, int6
   for (int64_t j0 = 0; j0 < npad; j0 += PK) {
     const int64_t ld = std::min(PK, npad - j0);
     TransposePanel(blk.k + j0 * D, blk.ks == nullptr ? nullptr : blk.ks + j0, std::min(ld, n - j0), D, ld,
-                   W.kT.data(), next);
+                   W.kT.data(), next, W.pf_rate);
     for (int64_t a0 = 0; a0 < na; a0 += kRowTile)
       ByRows<ScorePanelF>(std::min(kRowTile, na - a0), P, R, act, a0, j0 / 8, (j0 + ld) / 8, W, ld);
   }
@@ -988,7 +996,11 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   // verify attention at 32K 0.973x the time, SmolLM2's decode attention at 32K 0.965x.
   W.pf = &next;
   const int64_t lines = (next.k_left + next.v_left + 63) / 64;
-  const int64_t work = na * (npad * (D + kExpWork) + n * D);
+  // the key transposition's share: only where its 16 x 16 steps issue lines (AVX-512, D a multiple of 16; the 8 x 8
+  // steps issue none, unmeasured on an AVX2 machine) and only where the block's keys are transposed as floats
+  bool credited = KVJAX_AVX512 && D % 16 == 0;
+  if constexpr (std::is_same_v<T, int8_t>) credited = credited && !P.qscores;
+  const int64_t work = na * (npad * (D + kExpWork) + n * D) + (credited ? npad * D * kTransposeWork : 0);
   W.pf_rate = ((lines << 16) + work - 1) / std::max<int64_t>(work, 1);
   for (int64_t a = 0; a < na; ++a) {
     const int64_t r = act[a];
