@@ -186,7 +186,8 @@ struct Prefetch {
 };
 
 // The work of one exponential, in multiply-adds (a score or p.V step is one per lane): what `BlockRows` weighs the
-// phases by when it spreads the next block's prefetches over them (Exp2_16: ~17 vector operations per 16 lanes).
+// phases by when it spreads the next block's prefetches over them (Exp2_16 with its load, FMA, store and sum: ~15-17
+// vector operations per 16 lanes).
 constexpr int64_t kExpWork = 17;
 // ... and of moving one key element into the transposed panel (`TransposePanel`, once per block whatever the rows):
 // a 16 x 16 step is 16 loads, 64 shuffles and 16 stores for 256 elements. Its share of the lines used to be a fixed 2

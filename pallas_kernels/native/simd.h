@@ -154,14 +154,17 @@ inline __m256 Exp2_8(__m256 t) {
 inline __m256 Exp8(__m256 x) { return Exp2_8(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e))); }
 
 #if KVJAX_AVX512
-// Exp2_8's sequence of roundings on 16 lanes (each lane the same operations, so the same bits as Exp2_8 and
-// Exp2Scalar).
+// Exp2_8's sequence of roundings on 16 lanes, the same bits as Exp2_8 and Exp2Scalar for t < 127.5 (the softmax's
+// t = fma(s, scale * log2 e, -m * log2 e) <= ~0): y * 2^n by one VSCALEFPS instead of building 2^n in the exponent
+// bits and multiplying (cvt, add, shift, mul) -- both the exact product rounded once, denormal results included. Above
+// 127.5 (n = 128) Exp2_8 gives inf where this gives the finite y * 2^128. Checked against Exp2Scalar on every float
+// in [-130, 130), with and without flush-to-zero: equal bits below 127.5. Measured (the bundled model's 9-row verify
+// attention at 32K, interleaved in one process, the same bits): 0.986-0.994x the time.
 inline __m512 Exp2_16(__m512 t) {
   const __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(kExp2Lo), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 y = Exp2Poly<Lanes16>(_mm512_sub_ps(t, n));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(in_range, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+  return _mm512_maskz_scalef_ps(in_range, y, n);
 }
 #endif
 #endif
