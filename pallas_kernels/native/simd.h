@@ -21,10 +21,10 @@ namespace kvjax_native {
 
 // ------------------------------------------------------------------------------------------------ exponentials
 // 2^t for f32 (t <= 127): n = round(t), f = t - n in [-1/2, 1/2] (exact), 2^f by a degree-6 polynomial (Cephes'
-// exp2f coefficients, |rel err| <= 1.7e-7), times 2^n built in the exponent bits. t below kExp2Lo (-126) and NaN give
-// exactly 0: masked scores (-inf) and underflow. `Exp2Scalar` is the same sequence of roundings one lane at a time
-// (std::fma for each fused step, nearbyint for the round-to-nearest-even), so the scalar build's exponentials equal
-// the vector builds' bit for bit.
+// exp2f coefficients, |rel err| <= 1.7e-7), times 2^n (built in the exponent bits; VSCALEFPS on 16 lanes, the same
+// product). t below kExp2Lo (-126) and NaN give exactly 0: masked scores (-inf) and underflow. `Exp2Scalar` is the
+// same sequence of roundings one lane at a time (std::fma for each fused step, nearbyint for the round-to-nearest-
+// even), so the scalar build's exponentials equal the vector builds' bit for bit.
 //
 // exp(x) is 2^(x * log2 e) with the product rounded once: relative error <= 2 ulp + |x| * 6e-8, so the ABSOLUTE error
 // of exp(x) for x <= 0 stays below 7e-8 (measured over every f32 in [-20, 0] and a 1/64 sample of [-87, -20]) -- all a
