@@ -338,6 +338,10 @@ __attribute__((always_inline)) inline void Transpose16x16(const __m512* r, float
 }
 #endif
 
+// Whether `TransposePanel` moves keys in 16 x 16 steps (AVX-512, D a multiple of 16): the only steps that issue the
+// next block's lines, so the only case whose transposition counts in `BlockRows`' prefetch rate.
+constexpr bool TransposeSteps16(int64_t D) { return KVJAX_AVX512 && D % 16 == 0; }
+
 // Transposes keys [0, n) (kb: n x D, f32, bf16 or int8 codes with scales ks) into kT[d * ld + j] as f32,
 // zero-padding columns [n, ld); each 16 x 16 step issues its share of `pf`'s lines (`Prefetch::Credit`, weighted by
 // `kTransposeWork`), as the tiles do.
@@ -350,7 +354,7 @@ inline void TransposePanel(const T* kb, const float* ks, int64_t n, int64_t D, i
   // 16 keys x 16 dims per step where the CPU has AVX-512: half the instructions per value of the 8 x 8 steps below,
   // whose shuffles were a few-row call's largest cost after its FMAs (a 9-row verify scores each block's keys against
   // 27 rows per KV head only, so the transposition is not amortised as at 256 rows). Data movement only: the same kT.
-  if (D % 16 == 0) {
+  if (TransposeSteps16(D)) {
     for (; j + 16 <= n; j += 16) {
       const T* k0 = kb + j * D;
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -997,11 +1001,11 @@ void BlockRows(const Problem& P, Rows& R, const int64_t* act, int64_t na, Scratc
   // verify attention at 32K 0.973x the time, SmolLM2's decode attention at 32K 0.965x.
   W.pf = &next;
   const int64_t lines = (next.k_left + next.v_left + 63) / 64;
-  // the key transposition's share: only where its 16 x 16 steps issue lines (AVX-512, D a multiple of 16) and only
-  // where the block's keys are transposed as floats. The 8 x 8 steps issue none: crediting them too, in an AVX2 build
-  // of this library here (-mno-avx512f, interleaved, the same bits), ran the bundled model's decode attention at 32K
-  // 0.95-0.97x the time but SmolLM2's 1.15x.
-  bool credited = KVJAX_AVX512 && D % 16 == 0;
+  // the key transposition's share: only where its 16 x 16 steps issue lines and only where the block's keys are
+  // transposed as floats. The 8 x 8 steps issue none: crediting them too, in an AVX2 build of this library here
+  // (-mno-avx512f, interleaved, the same bits), ran the bundled model's decode attention at 32K 0.95-0.97x the time but
+  // SmolLM2's 1.15x.
+  bool credited = TransposeSteps16(D);
   if constexpr (std::is_same_v<T, int8_t>) credited = credited && !P.qscores;
   const int64_t work = na * (npad * (D + kExpWork) + n * D) + (credited ? npad * D * kTransposeWork : 0);
   W.pf_rate = ((lines << 16) + work - 1) / std::max<int64_t>(work, 1);
