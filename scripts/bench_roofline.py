@@ -241,12 +241,13 @@ def bench_transformers(checkpoint, prompt, new_tokens, floor, rows, wbytes, kv_r
     return prefill_s, decode_s
 
 
-def gguf_weights() -> str:
-    """What kvjax's steps read of a GGUF model's weights: its block codes where the native product runs (each weight
-    made in registers as the exact f32 value it stands for, `pallas_kernels.affine`), else an f32 copy."""
-    from pallas_kernels import native
+def gguf_weights(model) -> str:
+    """What kvjax's steps read of a GGUF model's weights: its block codes where its loops read them
+    (`kvjax.families.llama.reads_block_codes`: each weight made in registers as the exact f32 value it stands for),
+    else an f32 copy."""
+    from kvjax.families.llama import reads_block_codes
 
-    if native.available():
+    if reads_block_codes(model):
         return "the GGUF's block codes, read as the exact f32 weights they stand for (native products)"
     return "f32 (dequantised from the GGUF)"
 
@@ -444,7 +445,7 @@ def main(argv=None):
     if args.json:
         meta = dict(best_reduction_gb_per_s=best_gbs, model=name, contexts=contexts, prompt_source=sources,
                     compressors=compressors, decode_steps=DECODE_STEPS, peer_new_tokens=args.new_tokens,
-                    weights=gguf_weights() if gguf_source(args.model) else "as stored",
+                    weights=gguf_weights(model) if gguf_source(args.model) else "as stored",
                     floor="one jitted jnp.sum over the same number of f32 bytes, best of 5, same run", **run_meta())
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
