@@ -55,6 +55,9 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
     native_ok = pallas_kernels.native.available()
     if not native_ok:
         log(f"  [peers] native kernel unavailable: {pallas_kernels.native.status()['reason']}")
+    # the arithmetic floor of each shape: its multiply-adds (D for the score and D for the value of each visible
+    # (row, key) pair per query head) at the machine's rate on `threads` threads, measured here
+    rate = pallas_kernels.native.multiply_add_rate(threads=threads) if native_ok else None
     rng = np.random.default_rng(0)
     out = []
     for S in slots:
@@ -95,6 +98,11 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
                     times[name].append(time.perf_counter() - t0)
             rec = dict(heads=N, kv_heads=K, head_dim=D, slots=S, rows=T,
                        **{f"{n}_ms": min(t) * 1e3 for n, t in times.items()})
+            if rate:
+                seen = T * (L - T + 1) + T * (T - 1) // 2  # row t sees keys 0 .. L - T + t
+                rec.update(multiply_adds_per_s=rate, multiply_add_floor_ms=N * 2 * D * seen / rate * 1e3)
+                if "native_ms" in rec:
+                    rec["native_over_floor"] = rec["native_ms"] / rec["multiply_add_floor_ms"]
             if "native_ms" in rec:
                 rec["native_over_xla"] = rec["native_ms"] / rec["xla_ms"]
                 if "torch_sdpa_ms" in rec:
@@ -102,7 +110,8 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
             log(f"  attention per layer, {S} slots, {T:3d} rows: " + ", ".join(
                 f"{n} {min(t) * 1e3:7.2f} ms" for n, t in times.items())
                 + (f"  native/xla {rec['native_over_xla']:.2f}" if "native_over_xla" in rec else "")
-                + (f"  native/torch {rec['native_over_torch']:.2f}" if "native_over_torch" in rec else ""))
+                + (f"  native/torch {rec['native_over_torch']:.2f}" if "native_over_torch" in rec else "")
+                + (f"  native/multiply-add floor {rec['native_over_floor']:.2f}" if "native_over_floor" in rec else ""))
             out.append(rec)
     return out
 

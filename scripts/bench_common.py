@@ -113,6 +113,22 @@ def native_status() -> dict:
     return st
 
 
+def product_multiply_adds(config) -> int | None:
+    """One decoder row's multiply-adds in its weight products -- per layer q, k, v, o and the gated MLP's three, then
+    the LM head -- for a dense Llama-family config; None for another family (its products are not these)."""
+    if getattr(config, "family", None) != "llama":
+        return None
+    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    N, K = config.num_heads, config.num_kv_heads
+    return config.num_layers * (2 * H * N * D + 2 * H * K * D + 3 * H * I) + config.vocab_size * H
+
+
+def attention_multiply_adds(config, keys_seen: int) -> int:
+    """The multiply-adds of full attention over `keys_seen` (row, key) pairs summed over a step's query rows: per layer
+    and query head, D for the score and D for the value of each pair."""
+    return config.num_layers * config.num_heads * 2 * config.head_dim * int(keys_seen)
+
+
 def best_of(fn, reps: int) -> float:
     """Best wall time in seconds of `reps` calls of fn (which returns something to block on)."""
     best = float("inf")

@@ -7,7 +7,11 @@ Why: the verify's cost in full-cache decode steps decides VeriCache's speedup; i
   2. the whole verify step (`decode.verify.verify_step`) of the checkpoint at each draft length and one full-cache
      decode step, with the native kernel and with XLA, interleaved (the jit caches are cleared between the modes):
      verify ms and verify / decode-step ratio per implementation. Each is timed as its loop runs it: calls chained
-     on the cache the one before returned (a decode call is 32 steps), the first on a fresh copy, untimed.
+     on the cache the one before returned (a decode call is 32 steps), the first on a fresh copy, untimed. Beside each
+     verify, its arithmetic floor: its attention's and products' multiply-adds over the machine's multiply-add rate
+     on two threads (`pallas_kernels.native.multiply_add_rate`, measured before and after the timings, the faster
+     taken) -- the verify is bound by arithmetic where a decode step is bound by memory, so this, not the bytes it
+     reads, is what it cannot beat.
 
 Usage: python scripts/bench_short_verify.py --context 32768 --draft-lens 8,32 --rows 1,5,9,17,33,256 [--json out.json]
 """
@@ -33,6 +37,26 @@ from kvjax.decode import verify as verify_mod  # noqa: E402
 from kvjax.models import attention as attn  # noqa: E402
 import bench_common  # noqa: E402
 from bench_attention_peers import compare  # noqa: E402
+
+
+def multiply_add_rate() -> float | None:
+    """The machine's multiply-adds per second on two threads (None where the native library is not loaded)."""
+    if not pallas_kernels.native.available():
+        return None
+    return pallas_kernels.native.multiply_add_rate(threads=2)
+
+
+def arithmetic_floor(cfg, prompt_len: int, x: int, rate: float | None) -> dict | None:
+    """A verify block of x drafts after `prompt_len` cached tokens: its multiply-adds (row t sees prompt_len + t + 1
+    keys; every row runs the products) and the time they take at `rate` (None without a rate or a product count)."""
+    products = bench_common.product_multiply_adds(cfg)
+    if rate is None or products is None:
+        return None
+    seen = (x + 1) * (prompt_len + 1) + x * (x + 1) // 2
+    attention = bench_common.attention_multiply_adds(cfg, seen)
+    total = attention + (x + 1) * products
+    return dict(attention_multiply_adds=attention, product_multiply_adds=(x + 1) * products,
+                multiply_adds_per_s=rate, ms=total / rate * 1e3)
 
 
 def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls: list[str]) -> dict:
@@ -76,6 +100,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
             return steps.decode(loop, cfg, c, first, seed, num_steps=n, family=fam, impl=impl)
         return chained_ms(step, 3) / n
 
+    rate = multiply_add_rate()
     res = {}
     for _ in range(rounds):  # interleaved: a load change on the shared machine hits every implementation alike
         for impl in impls:
@@ -85,6 +110,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
             for x in draft_lens:
                 res.setdefault(f"{impl} verify x={x}", []).append(verify_ms(x, impl))
     jax.clear_caches()
+    rate = max(rate, multiply_add_rate())
     best = {k: min(v) for k, v in res.items()}
     out = {}
     for name, v in res.items():
@@ -99,6 +125,12 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
                        decode_steps_median=float(np.median(per_round)))
             steps_ = (f"  = {rec['decode_steps']:5.2f} decode steps (median of rounds "
                       f"{rec['decode_steps_median']:.2f})")
+            floor = arithmetic_floor(cfg, prompt.size, int(name.split("=")[1]), rate)
+            if floor:
+                floor["decode_steps"] = floor["ms"] / best[f"{impl} decode step"]
+                rec["multiply_add_floor"] = floor
+                steps_ += (f"; multiply-add floor {floor['ms']:.2f} ms = {floor['decode_steps']:.2f} decode steps "
+                           f"(measured {min(v) / floor['ms']:.2f}x it)")
         out[name] = rec
         print(f"  {name:22s} {min(v):8.2f} ms{steps_}  (runs: {', '.join(f'{a:.2f}' for a in v)})", flush=True)
     return out

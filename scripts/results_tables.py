@@ -344,15 +344,15 @@ def render_attention_peers(items) -> str:
 
 
 def _step_times(doc) -> dict:
-    """The {'<impl> decode step' | '<impl> verify x=<n>': (ms, median of rounds in decode steps or None)} mapping
-    anywhere in a bench_short_verify file."""
+    """The {'<impl> decode step' | '<impl> verify x=<n>': (ms, median of rounds in decode steps or None, multiply-add
+    floor ms or None)} mapping anywhere in a bench_short_verify file."""
     pat = re.compile(r"\S+ (decode step|verify x=\d+)")
     if isinstance(doc, dict):
         if doc and all(isinstance(k, str) and pat.fullmatch(k) for k in doc):
             # each timing is ms, or a record {"ms": ..., "runs_ms": [...], "decode_steps": ...,
             # "decode_steps_median": ...} (the median over rounds of each round's verify / decode step)
-            return {k: (v["ms"], v.get("decode_steps_median")) if isinstance(v, dict) else (v, None)
-                    for k, v in doc.items()}
+            return {k: (v["ms"], v.get("decode_steps_median"), (v.get("multiply_add_floor") or {}).get("ms"))
+                    if isinstance(v, dict) else (v, None, None) for k, v in doc.items()}
         for v in doc.values():
             found = _step_times(v)
             if found:
@@ -360,10 +360,15 @@ def _step_times(doc) -> dict:
     return {}
 
 
-def _verify_cell(x: str, ms: float, median: float | None, dec: float | None) -> str:
-    """'x = 8: 11.2 = 1.8' (best verify over best decode step), with ' (median of rounds 2.0)' where recorded."""
+def _verify_cell(x: str, ms: float, median: float | None, floor: float | None, dec: float | None) -> str:
+    """'x = 8: 11.2 = 1.8' (best verify over best decode step), with ' (median of rounds 2.0)' and '; multiply-add
+    floor 5.6 = 1.2, measured 1.7x it' where recorded."""
     cell = f"x = {x}: {num(ms)} = {ms / dec:.1f}" if dec else f"x = {x}: {num(ms)}"
-    return cell + (f" (median of rounds {median:.1f})" if median is not None else "")
+    cell += f" (median of rounds {median:.1f})" if median is not None else ""
+    if floor:
+        cell += f"; multiply-add floor {num(floor)}" + (f" = {floor / dec:.1f}" if dec else "") + \
+            f", measured {ms / floor:.1f}x it"
+    return cell
 
 
 def render_short_verify(items) -> str:
@@ -381,7 +386,8 @@ def render_short_verify(items) -> str:
         for impl in dict.fromkeys(k.split()[0] for k in steps):
             dec = steps.get(f"{impl} decode step", (None, None))[0]
             ver = [(k.split("=")[1], *v) for k, v in steps.items() if k.startswith(f"{impl} verify")]
-            rows.append([res.label, impl, num(dec), "; ".join(_verify_cell(x, ms, med, dec) for x, ms, med in ver)])
+            rows.append([res.label, impl, num(dec),
+                         " · ".join(_verify_cell(x, ms, med, fl, dec) for x, ms, med, fl in ver)])
     return table(header, rows)
 
 

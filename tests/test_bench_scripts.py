@@ -188,3 +188,28 @@ def test_bench_step_ops_accounts_each_step_by_operation(tmp_path):
         # the re-selection's scores come from the verify's own pass over the cache (`kvjax_attend_mass`), not a second
         assert "kvjax_attend_mass" in {o["op"] for o in records[3]["ops"]}
         assert "kvjax_block_mass" not in {o["op"] for o in records[4]["ops"]}
+
+
+def test_multiply_add_counts_match_the_checkpoints_weights_and_the_verify_floor_adds_them_up():
+    """A row's product multiply-adds are its weight matrices' elements (the bundled checkpoint ties its LM head to
+    the embedding); a verify block's floor counts row t's prompt_len + t + 1 keys."""
+    import jax
+    import numpy as np
+
+    import kvjax
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_common import attention_multiply_adds, product_multiply_adds
+    from bench_short_verify import arithmetic_floor
+
+    m = kvjax.load(os.path.join(ROOT, "checkpoints", "kvjax-code-tiny"))
+    cfg = m.config
+    weights = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(m.params) if x.ndim == 2)
+    assert cfg.tie_word_embeddings and product_multiply_adds(cfg) == weights
+    assert attention_multiply_adds(cfg, 10) == cfg.num_layers * cfg.num_heads * 2 * cfg.head_dim * 10
+    f = arithmetic_floor(cfg, 100, 2, rate=1e9)
+    seen = 101 + 102 + 103  # three rows at positions 100, 101, 102
+    assert f["attention_multiply_adds"] == attention_multiply_adds(cfg, seen)
+    assert f["product_multiply_adds"] == 3 * weights
+    assert abs(f["ms"] - (f["attention_multiply_adds"] + f["product_multiply_adds"]) / 1e9 * 1e3) < 1e-9
+    assert arithmetic_floor(cfg, 100, 2, rate=None) is None

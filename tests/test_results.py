@@ -162,6 +162,14 @@ def test_renderers_read_the_schemas_of_results_still_to_come(tmp_path):
         "native decode step": dict(ms=10.0, runs_ms=[10.0, 12.0]),
         "native verify x=8": dict(ms=16.0, runs_ms=[16.0, 30.0], decode_steps=1.6, decode_steps_median=2.04)})))
     assert "| 10 | x = 8: 16 = 1.6 (median of rounds 2.0) |" in rt.render_block("short_verify", [sv], str(tmp_path))
+    # ... with the verify's arithmetic floor (its multiply-adds at the machine's rate), and two draft lengths
+    (tmp_path / sv.path).write_text(json.dumps(dict(steps={
+        "native decode step": dict(ms=10.0, runs_ms=[10.0]),
+        "native verify x=8": dict(ms=16.0, runs_ms=[16.0], decode_steps=1.6, decode_steps_median=1.6,
+                                  multiply_add_floor=dict(ms=8.0, decode_steps=0.8)),
+        "native verify x=32": dict(ms=50.0, runs_ms=[50.0], decode_steps=5.0, decode_steps_median=5.0)})))
+    assert ("| 10 | x = 8: 16 = 1.6 (median of rounds 1.6); multiply-add floor 8 = 0.8, measured 2.0x it · "
+            "x = 32: 50 = 5.0 (median of rounds 5.0) |") in rt.render_block("short_verify", [sv], str(tmp_path))
 
 
 def test_machine_line_prefers_what_the_files_record():

@@ -4,12 +4,13 @@ Two policies:
 - `GrowShrink`: grow after a fully accepted round, shrink when under half was accepted (the first adaptive rule).
 - `CostModel`: the VeriCache paper's ideal-speedup reasoning applied per request, online. From the rounds so far it
   estimates the chance `a_i` that draft i is accepted given drafts 0..i-1 were (each depth's ratio shrunk toward the
-  pooled per-token rate, so depths with few trials follow the pooled rate), the time of one draft token `d`, of a
-  re-selection per drafted token `r` (a refreshing draft re-selects every so many drafted tokens) and of the rest of a
-  round `v(x)` (verification and transfer: exponential averages of the measured phases, a length's first round left
-  out: it includes the compile; a length not timed yet is estimated from the timed ones, linear in the block's rows).
+  pooled per-token rate, so depths with few trials follow the pooled rate), the time of a round's draft phase `d(x)`,
+  of a re-selection per drafted token `r` (a refreshing draft re-selects every so many drafted tokens) and of the rest
+  of a round `v(x)` (verification and transfer). `d` and `v` are exponential averages of each length's measured
+  phases, a length's first round left out (it includes the compile); a length not timed yet is estimated from the
+  timed ones, linear in x (`d`: a fixed part per round plus one per draft token) and in the block's rows (`v`).
   A round of x drafts then emits `E(x) = 1 + sum_{j<=x} prod_{i<j} a_i` tokens on average and costs
-  `x (d + r) + v(x)`; the next round uses the x with the most predicted tokens per second -- a length never timed
+  `d(x) + x r + v(x)`; the next round uses the x with the most predicted tokens per second -- a length never timed
   only when it predicts a margin more than the timed ones (`EXPLORE_MARGIN`: its estimates are extrapolations) -- or,
   once in a while, the runner-up, when its verify time was last measured long ago and it predicts almost as much
   (`STALE_ROUNDS`, `RETIME_WITHIN`), so that one slow early measurement cannot keep a length out for good. When
@@ -90,7 +91,7 @@ class CostModel:
         depth = self.xs[-1]
         self.hits = np.zeros(depth)
         self.trials = np.zeros(depth)
-        self.draft_token_s: float | None = None
+        self.draft_s: dict[int, float] = {}  # per length: its draft phase (x draft tokens and the call around them)
         self.refresh_token_s = 0.0  # a re-selection's time per token drafted since the one before
         self.verify_s: dict[int, float] = {}
         self.timed_at: dict[int, int] = {}  # the round in which each length's verify was last measured
@@ -113,7 +114,7 @@ class CostModel:
         if x not in self.compiled:
             self.compiled.add(x)
             return
-        self.draft_token_s = self._ema(self.draft_token_s, draft_s / max(x, 1))
+        self.draft_s[x] = self._ema(self.draft_s.get(x), draft_s)
         self.verify_s[x] = self._ema(self.verify_s.get(x), verify_s)
         self.timed_at[x] = self.rounds
         if refreshed_tokens > 0:
@@ -133,6 +134,24 @@ class CostModel:
         """E(x) = 1 + sum over j <= x of the chance that drafts 1..j are all accepted."""
         return 1.0 + float(np.sum(np.cumprod(self.acceptance()[:x])))
 
+    def _draft_time(self, x: int) -> float:
+        """d(x): the measured average, else a line in x through the two nearest timed lengths (a round's fixed part,
+        the intercept, plus a per-token part, never falling with x), else the one timed length's time per draft token
+        times x. A round's draft phase is not x times one token: the bundled model at 32K (8 held-out prompts, fixed
+        x = 4 and x = 8 in one run) drafted a round in 1.91 and 2.98 ms, 0.84 ms of it whatever x. Charged per token,
+        as one average over the lengths run, that part made every length longer than the one running look dearer and
+        every shorter one cheaper than it was. (The same 8-prompt command before and after this change: adaptive x
+        ran 0.926x and 0.935x fixed x = 8's speed, mean x 5.3 both times -- the rounds' noisy times and an acceptance
+        that changes along a request, not this bias, keep it from x = 8 there.)"""
+        if x in self.draft_s:
+            return self.draft_s[x]
+        seen = sorted(self.draft_s, key=lambda s: (abs(s - x), s))
+        if len(seen) == 1:
+            return self.draft_s[seen[0]] * x / seen[0]
+        a, b = sorted(seen[:2])
+        slope = max(0.0, (self.draft_s[b] - self.draft_s[a]) / (b - a))
+        return max(self.draft_s[a] + slope * (x - a), 0.0)
+
     def _verify_time(self, x: int) -> float:
         """v(x): the measured average, else a line in the verify block's rows (x + 1) through the two nearest timed
         lengths (never falling with rows), else from the one timed length with `ROW_SHARE` of its time per-row work.
@@ -150,7 +169,7 @@ class CostModel:
         return max(self.verify_s[a] + slope * (x - a), 0.0)
 
     def predicted_tokens_per_s(self, x: int) -> float:
-        return self.expected_emitted(x) / (x * (self.draft_token_s + self.refresh_token_s) + self._verify_time(x))
+        return self.expected_emitted(x) / (self._draft_time(x) + x * self.refresh_token_s + self._verify_time(x))
 
     def _ranking_score(self, length: int, current: int) -> float:
         """The predicted tokens per second `next` ranks `length` by: discounted by `EXPLORE_MARGIN` while `length`
@@ -163,7 +182,7 @@ class CostModel:
         """Record the round just run (`observe`) and return the x of the next one (the same x until one timing is
         measured)."""
         self.observe(x, accepted, draft_s, verify_s, refresh_s, refreshed_tokens)
-        if self.draft_token_s is None:
+        if not self.draft_s:
             return x
         ranked = sorted(self.xs, key=lambda s: self._ranking_score(s, x), reverse=True)
         best, runner = ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -38,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
-           HERE / "gather_int8.cc", HERE / "gather_rows.cc", HERE / "argmax.cc")  # one library
+KERNEL_SOURCES = (HERE / "attention.cc", HERE / "block_mass.cc", HERE / "matmul.cc", HERE / "int_dot.cc",
+                  HERE / "gather_int8.cc", HERE / "gather_rows.cc", HERE / "argmax.cc")
+SOURCES = (*KERNEL_SOURCES, HERE / "fma_probe.cc")  # one library: the kernels and the multiply-add probe
 # shared by the sources; part of the build key too
 HEADERS = (HERE / "gather.h", HERE / "pool.h", HERE / "shapes.h", HERE / "simd.h", HERE / "workers.h")
 TARGET = "kvjax_attend"
@@ -199,11 +201,39 @@ def set_pool(choice: str) -> None:
     _handles[-1].kvjax_native_set_pool(ctypes.c_int(0 if choice == "xla" else 1))
 
 
+def multiply_add_rate(threads: int = 1, seconds: float = 0.2) -> float:
+    """The machine's f32 multiply-add rate (multiply-adds per second) on `threads` threads at once, each running
+    independent chains of the widest vector FMA the library was built with (`fma_probe.cc`) for about `seconds`: the
+    arithmetic floor of a step that must do N multiply-adds is N / this, measured in the same run as the step
+    (`scripts/bench_short_verify.py`). Raises where the library is not loaded."""
+    if not available():
+        raise RuntimeError(f"the native library is not available: {status()['reason']}")
+    if int(threads) < 1 or not seconds > 0:
+        raise ValueError(f"threads must be >= 1 and seconds > 0, got {threads} and {seconds}")
+    import concurrent.futures  # noqa: PLC0415 - benchmarks only
+
+    fn = _handles[-1].kvjax_fma_rate
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)]
+    sink = ctypes.c_float()
+    iters = 1 << 16
+    while True:  # one thread: rounds enough for `seconds` (ctypes releases the GIL: threads below run at once)
+        t0 = time.perf_counter()
+        fn(iters, ctypes.byref(sink))
+        if time.perf_counter() - t0 >= seconds / 4 or iters >= 1 << 34:
+            break
+        iters *= 4
+    iters = max(int(iters * seconds / max(time.perf_counter() - t0, 1e-9)), 1)
+    with concurrent.futures.ThreadPoolExecutor(int(threads)) as ex:
+        rates = list(ex.map(lambda _: fn(iters, ctypes.byref(ctypes.c_float())), range(int(threads))))
+    return float(sum(rates))
+
+
 def source_digest() -> str:
     """A digest of the library's sources (what defines every native kernel's arithmetic, whatever compiler, flags or
     CPU built it: the vector and scalar builds give the same bits): part of a cache entry's identity where the native
     kernels computed its keys and values (`kvjax.prefix.runtime_identity`)."""
-    return hashlib.sha256("\0".join(_source_texts()).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join(p.read_text() for p in KERNEL_SOURCES + HEADERS).encode()).hexdigest()[:16]
 
 
 def _source_texts() -> list[str]:

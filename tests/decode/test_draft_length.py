@@ -34,7 +34,7 @@ def test_cost_model_prefers_long_drafts_when_they_are_accepted_and_short_ones_wh
 def test_cost_model_ignores_the_compiling_round_and_expected_emitted_is_monotone():
     m = CostModel((2, 4, 8))
     assert m.next(4, 4, 100.0, 100.0) == 4  # first round of x = 4: compile time, not a measurement
-    assert m.draft_token_s is None
+    assert m.draft_s == {}
     m.next(4, 4, 4e-3, 5e-3)
     e = [m.expected_emitted(x) for x in (2, 4, 8)]
     assert e == sorted(e) and 1 < e[0] <= 3
@@ -80,8 +80,8 @@ def test_a_re_selection_is_charged_per_drafted_token_not_to_the_length_that_paid
     m.next(16, 16, 16 * 20e-3, 0.15, refresh_s=0.064, refreshed_tokens=32)
     assert m.verify_s == {8: 0.10, 16: 0.15}  # the re-selection did not enter x = 16's verify time
     assert abs(m.refresh_token_s - 0.002) < 1e-12  # 64 ms over 32 drafted tokens
-    d, r = m.draft_token_s, m.refresh_token_s
-    assert abs(m.predicted_tokens_per_s(16) - m.expected_emitted(16) / (16 * (d + r) + 0.15)) < 1e-9
+    d, r = m.draft_s[16], m.refresh_token_s
+    assert abs(m.predicted_tokens_per_s(16) - m.expected_emitted(16) / (d + 16 * r + 0.15)) < 1e-9
     m.next(16, 16, 16 * 20e-3, 0.15, refresh_s=0.5, refreshed_tokens=0)  # no re-selection counted: no change
     assert abs(m.refresh_token_s - 0.002) < 1e-12
 
@@ -146,3 +146,25 @@ def test_a_length_never_timed_must_predict_a_margin_more_before_it_runs():
         assert picked == (16 if ratio > 1 + EXPLORE_MARGIN else 8), (draft_ms, ratio, picked)
         outcomes.add((picked, ratio > 1))
     assert (8, True) in outcomes and (16, True) in outcomes  # a near-tie stayed, a clear gain moved
+
+
+def test_a_rounds_draft_phase_is_a_fixed_part_plus_a_part_per_token():
+    """Each length's draft phase is its own measured time; an untimed length's lies on the line through the two
+    nearest timed ones (intercept: the round's fixed part). Charged per token instead, a round's fixed part made
+    x = 8 look dearer than x = 4 while x = 4 was running: here (a fixed part large against the verification, so that
+    the bias decides) x = 8, never timed, predicts over `EXPLORE_MARGIN` more tokens per second than x = 4 and is
+    tried; with the draft phase as x times x = 4's time per token it would have predicted less than x = 4."""
+    from kvjax.decode.draft_length import EXPLORE_MARGIN
+
+    fixed, per_token, verify = 12e-3, 0.25e-3, 4e-3
+    m = CostModel((2, 4, 8))
+    for x in (2, 4):
+        m.next(x, x, 1.0, 1.0)  # compiling rounds
+        for _ in range(5):
+            m.next(x, x, fixed + per_token * x, verify)  # every draft accepted; verification costs the same
+    assert abs(m._draft_time(8) - (fixed + 8 * per_token)) < 1e-12
+    assert abs(m._draft_time(4) - (fixed + 4 * per_token)) < 1e-12
+    assert m.predicted_tokens_per_s(8) > (1 + EXPLORE_MARGIN) * m.predicted_tokens_per_s(4)
+    per_token_only = m.expected_emitted(8) / (8 * (fixed + 4 * per_token) / 4 + verify)
+    assert per_token_only < m.predicted_tokens_per_s(4)
+    assert m.next(4, 4, fixed + 4 * per_token, verify) == 8
