@@ -227,6 +227,9 @@ RESULTS: tuple[Result, ...] = (
     Result("short_verify_tiny_32k", "short_verify", "tiny, 32K", "scripts/bench_short_verify.py",
            ("--skip-layer", "--context", "32768", "--draft-lens", "8,32", "--rounds", "5",
             "--json", f"{RESULTS_DIR}/short_verify_tiny_32k.json"), 10),
+    Result("short_verify_smollm2_8k", "short_verify", "SmolLM2, 8K", "scripts/bench_short_verify.py",
+           (*SMOLLM2, "--skip-layer", "--context", "8192", "--draft-lens", "8,32", "--rounds", "3", "--impls", "native",
+            "--json", f"{RESULTS_DIR}/short_verify_smollm2_8k.json"), 3),
 )
 
 BY_NAME = {r.name: r for r in RESULTS}
