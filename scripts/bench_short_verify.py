@@ -110,7 +110,8 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
             for x in draft_lens:
                 res.setdefault(f"{impl} verify x={x}", []).append(verify_ms(x, impl))
     jax.clear_caches()
-    rate = max(rate, multiply_add_rate())
+    after = multiply_add_rate()
+    rate = None if rate is None or after is None else max(rate, after)
     best = {k: min(v) for k, v in res.items()}
     out = {}
     for name, v in res.items():
