@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native libra
 def test_the_rate_is_a_positive_number_of_multiply_adds_per_second_on_any_number_of_threads():
     for threads in (1, 2):
         rate = native.multiply_add_rate(threads=threads, seconds=0.02)
-        assert math.isfinite(rate) and rate > 1e8, (threads, rate)  # even one scalar lane does 1e8 a second
+        # finite and plausible: even a build without FMA instructions (std::fma in software, one lane) does over
+        # a million a second
+        assert math.isfinite(rate) and rate > 1e6, (threads, rate)
 
 
 @pytest.mark.parametrize("threads,seconds", [(0, 0.1), (1, 0.0), (1, -1.0)])
