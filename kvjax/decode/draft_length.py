@@ -59,6 +59,20 @@ def start_length(xs: tuple[int, ...], wanted: int) -> int:
     return below[-1] if below else xs[0]
 
 
+def _estimate(times: dict[int, float], x: int, from_one) -> float:
+    """A phase's time at length x from the lengths timed so far (`times`): its own average where x was timed, else on
+    the line through the two nearest timed lengths (never falling with x, never below 0), else `from_one(x0, t0)` from
+    the one timed length x0 and its time t0."""
+    if x in times:
+        return times[x]
+    seen = sorted(times, key=lambda s: (abs(s - x), s))
+    if len(seen) == 1:
+        return from_one(seen[0], times[seen[0]])
+    a, b = sorted(seen[:2])
+    slope = max(0.0, (times[b] - times[a]) / (b - a))
+    return max(times[a] + slope * (x - a), 0.0)
+
+
 class GrowShrink:
     """Grow after a fully accepted round, shrink when under half was accepted."""
 
@@ -143,30 +157,14 @@ class CostModel:
         every shorter one cheaper than it was. (The same 8-prompt command before and after this change: adaptive x
         ran 0.926x and 0.935x fixed x = 8's speed, mean x 5.3 both times -- the rounds' noisy times and an acceptance
         that changes along a request, not this bias, keep it from x = 8 there.)"""
-        if x in self.draft_s:
-            return self.draft_s[x]
-        seen = sorted(self.draft_s, key=lambda s: (abs(s - x), s))
-        if len(seen) == 1:
-            return self.draft_s[seen[0]] * x / seen[0]
-        a, b = sorted(seen[:2])
-        slope = max(0.0, (self.draft_s[b] - self.draft_s[a]) / (b - a))
-        return max(self.draft_s[a] + slope * (x - a), 0.0)
+        return _estimate(self.draft_s, x, lambda x0, d0: d0 * x / x0)
 
     def _verify_time(self, x: int) -> float:
         """v(x): the measured average, else a line in the verify block's rows (x + 1) through the two nearest timed
         lengths (never falling with rows), else from the one timed length with `ROW_SHARE` of its time per-row work.
         Taking the nearest length's time instead made every longer length look free: SmolLM2 at 8K verified x = 8 in
         85 ms and x = 32 in 206 ms, and a run that had timed only x = 16 went to x = 32 on that estimate."""
-        if x in self.verify_s:
-            return self.verify_s[x]
-        seen = sorted(self.verify_s, key=lambda s: (abs(s - x), s))
-        if len(seen) == 1:
-            x0 = seen[0]
-            v0 = self.verify_s[x0]
-            return v0 * ((1 - ROW_SHARE) + ROW_SHARE * (x + 1) / (x0 + 1))
-        a, b = sorted(seen[:2])
-        slope = max(0.0, (self.verify_s[b] - self.verify_s[a]) / (b - a))
-        return max(self.verify_s[a] + slope * (x - a), 0.0)
+        return _estimate(self.verify_s, x, lambda x0, v0: v0 * ((1 - ROW_SHARE) + ROW_SHARE * (x + 1) / (x0 + 1)))
 
     def predicted_tokens_per_s(self, x: int) -> float:
         return self.expected_emitted(x) / (self._draft_time(x) + x * self.refresh_token_s + self._verify_time(x))
