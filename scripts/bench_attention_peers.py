@@ -57,7 +57,7 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
         log(f"  [peers] native kernel unavailable: {pallas_kernels.native.status()['reason']}")
     # the arithmetic floor of each shape: its multiply-adds (D for the score and D for the value of each visible
     # (row, key) pair per query head) at the machine's rate on `threads` threads, measured here
-    rate = pallas_kernels.native.multiply_add_rate(threads=threads) if native_ok else None
+    rate = bench_common.multiply_add_rate(threads)
     rng = np.random.default_rng(0)
     out = []
     for S in slots:
@@ -99,8 +99,9 @@ def compare(num_heads: int, num_kv_heads: int, head_dim: int, rows=ROWS, slots=S
             rec = dict(heads=N, kv_heads=K, head_dim=D, slots=S, rows=T,
                        **{f"{n}_ms": min(t) * 1e3 for n, t in times.items()})
             if rate:
-                seen = T * (L - T + 1) + T * (T - 1) // 2  # row t sees keys 0 .. L - T + t
-                rec.update(multiply_adds_per_s=rate, multiply_add_floor_ms=N * 2 * D * seen / rate * 1e3)
+                seen = bench_common.causal_keys_seen(T, L - T + 1)  # row t sees keys 0 .. L - T + t
+                macs = bench_common.attention_multiply_adds(N, D, seen)
+                rec.update(multiply_adds_per_s=rate, multiply_add_floor_ms=macs / rate * 1e3)
                 if "native_ms" in rec:
                     rec["native_over_floor"] = rec["native_ms"] / rec["multiply_add_floor_ms"]
             if "native_ms" in rec:

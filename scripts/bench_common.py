@@ -123,10 +123,24 @@ def product_multiply_adds(config) -> int | None:
     return config.num_layers * (2 * H * N * D + 2 * H * K * D + 3 * H * I) + config.vocab_size * H
 
 
-def attention_multiply_adds(config, keys_seen: int) -> int:
+def causal_keys_seen(rows: int, first_row_keys: int) -> int:
+    """The (row, key) pairs of `rows` consecutive query rows under the causal mask, the first seeing `first_row_keys`
+    keys and each next one more."""
+    return rows * first_row_keys + rows * (rows - 1) // 2
+
+
+def attention_multiply_adds(num_heads: int, head_dim: int, keys_seen: int, layers: int = 1) -> int:
     """The multiply-adds of full attention over `keys_seen` (row, key) pairs summed over a step's query rows: per layer
     and query head, D for the score and D for the value of each pair."""
-    return config.num_layers * config.num_heads * 2 * config.head_dim * int(keys_seen)
+    return layers * num_heads * 2 * head_dim * int(keys_seen)
+
+
+def multiply_add_rate(threads: int) -> float | None:
+    """The machine's multiply-adds per second on `threads` threads (`pallas_kernels.native.multiply_add_rate`), or None
+    where the native library is not loaded (no arithmetic floor then)."""
+    import pallas_kernels.native as native  # noqa: PLC0415
+
+    return native.multiply_add_rate(threads=threads) if native.available() else None
 
 
 def best_of(fn, reps: int) -> float:

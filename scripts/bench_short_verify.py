@@ -39,21 +39,14 @@ import bench_common  # noqa: E402
 from bench_attention_peers import compare  # noqa: E402
 
 
-def multiply_add_rate() -> float | None:
-    """The machine's multiply-adds per second on two threads (None where the native library is not loaded)."""
-    if not pallas_kernels.native.available():
-        return None
-    return pallas_kernels.native.multiply_add_rate(threads=2)
-
-
 def arithmetic_floor(cfg, prompt_len: int, x: int, rate: float | None) -> dict | None:
     """A verify block of x drafts after `prompt_len` cached tokens: its multiply-adds (row t sees prompt_len + t + 1
     keys; every row runs the products) and the time they take at `rate` (None without a rate or a product count)."""
     products = bench_common.product_multiply_adds(cfg)
     if rate is None or products is None:
         return None
-    seen = (x + 1) * (prompt_len + 1) + x * (x + 1) // 2
-    attention = bench_common.attention_multiply_adds(cfg, seen)
+    seen = bench_common.causal_keys_seen(x + 1, prompt_len + 1)
+    attention = bench_common.attention_multiply_adds(cfg.num_heads, cfg.head_dim, seen, layers=cfg.num_layers)
     total = attention + (x + 1) * products
     return dict(attention_multiply_adds=attention, product_multiply_adds=(x + 1) * products,
                 multiply_adds_per_s=rate, ms=total / rate * 1e3)
@@ -100,7 +93,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
             return steps.decode(loop, cfg, c, first, seed, num_steps=n, family=fam, impl=impl)
         return chained_ms(step, 3) / n
 
-    rate = multiply_add_rate()
+    rate = bench_common.multiply_add_rate(2)
     res = {}
     for _ in range(rounds):  # interleaved: a load change on the shared machine hits every implementation alike
         for impl in impls:
@@ -110,7 +103,7 @@ def verify_steps(model, context: int, draft_lens: list[int], rounds: int, impls:
             for x in draft_lens:
                 res.setdefault(f"{impl} verify x={x}", []).append(verify_ms(x, impl))
     jax.clear_caches()
-    after = multiply_add_rate()
+    after = bench_common.multiply_add_rate(2)
     rate = None if rate is None or after is None else max(rate, after)
     best = {k: min(v) for k, v in res.items()}
     out = {}

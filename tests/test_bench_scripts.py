@@ -206,10 +206,12 @@ def test_multiply_add_counts_match_the_checkpoints_weights_and_the_verify_floor_
     cfg = m.config
     weights = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(m.params) if x.ndim == 2)
     assert cfg.tie_word_embeddings and product_multiply_adds(cfg) == weights
-    assert attention_multiply_adds(cfg, 10) == cfg.num_layers * cfg.num_heads * 2 * cfg.head_dim * 10
+    assert attention_multiply_adds(cfg.num_heads, cfg.head_dim, 10, layers=cfg.num_layers) == \
+        cfg.num_layers * cfg.num_heads * 2 * cfg.head_dim * 10
     f = arithmetic_floor(cfg, 100, 2, rate=1e9)
     seen = 101 + 102 + 103  # three rows at positions 100, 101, 102
-    assert f["attention_multiply_adds"] == attention_multiply_adds(cfg, seen)
+    assert f["attention_multiply_adds"] == attention_multiply_adds(cfg.num_heads, cfg.head_dim, seen,
+                                                                   layers=cfg.num_layers)
     assert f["product_multiply_adds"] == 3 * weights
     assert abs(f["ms"] - (f["attention_multiply_adds"] + f["product_multiply_adds"]) / 1e9 * 1e3) < 1e-9
     assert arithmetic_floor(cfg, 100, 2, rate=None) is None
