@@ -5,7 +5,8 @@ Weights are a plain bf16 `[K, N]` array or an `Int8Weight` (int8 codes `[K, N]` 
 w ~ codes * scale, symmetric, scale = max |w[:, n]| / 127 -- per-channel weight quantization as in LLM.int8's
 vector-wise scheme, arXiv 2208.07339, without its outlier split: drafts only need to be good, verification is exact).
 On CPU with the native kernel, f32 matrices and int8 codes can also be stored as 64-column panels (`PackedF32`,
-`PackedInt8`): the same bits as the plain layout, read as contiguous streams by the native register tiles.
+`PackedInt8`): the same bits as the plain layout, read as contiguous streams by the native register tiles; an f32
+matrix whose weights are all exactly bf16 values is stored in bf16 panels, the same bits at half the bytes.
 """
 
 from __future__ import annotations
@@ -75,11 +76,13 @@ PANEL = 64  # columns per panel of a `PackedF32` / `PackedInt8`
 
 
 class PackedF32(NamedTuple):
-    """An f32 `[K, N]` weight stored as 64-column panels, `panels` f32[N / 64, K, 64] (panel p: columns 64p..64p+63,
-    each k's 64 weights contiguous), so the native register tiles read each panel as one contiguous stream (`matmul.cc`
-    `MatmulF32Packed`). `linear` gives exactly the bits it gives for the plain matrix, for any number of rows: the
-    rows the native tiles take (`F32_NATIVE_ROWS`) run the same FMA chains; any other call multiplies the unpacked
-    matrix with XLA's dot, as it would the plain one. A pytree, so jit takes it."""
+    """An f32 `[K, N]` weight stored as 64-column panels, `panels` [N / 64, K, 64] (panel p: columns 64p..64p+63, each
+    k's 64 weights contiguous), so the native register tiles read each panel as one contiguous stream (`matmul.cc`
+    `MatmulF32Packed`). The panels are f32, or bf16 where every weight is exactly a bf16 value (`pack_f32`: a
+    checkpoint stored in bf16 and loaded as f32) -- the same weights at half the bytes, widened exactly as they are
+    read. `linear` gives exactly the bits it gives for the plain matrix, for any number of rows: the rows the native
+    tiles take (`F32_NATIVE_ROWS`) run the same FMA chains; any other call multiplies the unpacked matrix with XLA's
+    dot, as it would the plain one. A pytree, so jit takes it."""
 
     panels: jax.Array
 
@@ -89,7 +92,8 @@ class PackedF32(NamedTuple):
 
     @property
     def dtype(self):
-        return self.panels.dtype
+        """f32: the matrix's values (bf16 panels hold f32 weights exactly)."""
+        return jnp.dtype(jnp.float32)
 
     @property
     def nbytes(self) -> int:
@@ -109,16 +113,36 @@ def packable(w) -> bool:
 
 
 def pack_f32(w: jax.Array) -> PackedF32:
-    """`w` f32[K, N] (N a multiple of 64) as a `PackedF32`; ValueError for any other shape or dtype."""
+    """`w` f32[K, N] (N a multiple of 64) as a `PackedF32`: bf16 panels where every weight is exactly a bf16 value
+    (its low 16 bits zero: nothing rounds), else f32 ones; ValueError for any other shape or dtype.
+
+    Why bf16 where exact: a decode row or verify block reads every weight once, so its products are bound by the bytes
+    they read; most checkpoints are stored in bf16, and loaded as f32 they are exactly bf16 values. Measured (the
+    bundled model from its bf16 safetensors, its loop layout 12.0 MiB instead of 20.0; bf16 against f32 panels
+    interleaved in one process, medians, the same tokens and logits bits): the full-cache decode step 0.72-0.76x the
+    time at 4K, 0.85x at 8K, 0.90-0.96x at 32K; the x = 8 verify 0.91x, 0.96x and 0.97-0.99x."""
     if not packable(w):
         raise ValueError(f"pack_f32 needs an f32 [K, N] matrix with N a positive multiple of {PANEL}, got "
                          f"{getattr(w, 'dtype', type(w).__name__)}{tuple(getattr(w, 'shape', ()))}")
-    return PackedF32(_panel(w))
+    panels = _panel(w)
+    if bf16_exact(w):
+        panels = panels.astype(jnp.bfloat16)
+    return PackedF32(panels)
+
+
+def bf16_exact(w: jax.Array) -> bool:
+    """Whether every element of the f32 array `w` is exactly a bf16 value (so `w.astype(bf16).astype(f32) == w`, bit
+    for bit, NaN payloads and signed zeros included). False inside a trace, where the values are not known: such
+    a matrix keeps its f32 panels (the same bits either way)."""
+    if isinstance(w, jax.core.Tracer):
+        return False
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(w, jnp.float32), jnp.uint32)
+    return bool(jnp.all((bits & 0xFFFF) == 0))
 
 
 def unpack_f32(w: PackedF32) -> jax.Array:
     """The plain f32 `[K, N]` matrix a `PackedF32` stores."""
-    return _unpanel(w.panels)
+    return _unpanel(w.panels).astype(jnp.float32)
 
 
 class PackedInt8(NamedTuple):

@@ -437,14 +437,15 @@ ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 }
 
 // ------------------------------------------------------------------------------------------------ packed weights
-// w [P, K, 64] (f32, or int8 codes with scale f32[64P]): panel p holds columns [64p, 64p + 64) of a [K, N = 64P]
-// matrix, its 64 weights of each k contiguous (`pallas_kernels.linear.pack_f32` / `pack_int8`). A tile then reads its
+// w [P, K, 64] (f32, bf16 holding exactly f32 weights, or int8 codes with scale f32[64P]): panel p holds columns
+// [64p, 64p + 64) of a [K, N = 64P] matrix, its 64 weights of each k contiguous (`pallas_kernels.linear.pack_f32` /
+// `pack_int8`). A tile then reads its
 // weights as one contiguous stream instead of K runs of 64 weights N elements apart (which the hardware prefetchers
 // follow poorly: a 9-row tile over SmolLM2's f32 [576, 3072] read 5.2-5.9 GB/s strided vs 7.2-8.5 packed on one core).
 // The same chains as the plain matrix's product (`MatmulImpl`): a plain product at k = 0, then one FMA per k in order,
 // times the column's scale once -- so packed and plain weights give the same bits, for any number of rows (one row
-// included). f32 and int8 rows take no k chunks in the plain product either (`KChunks` splits bf16 rows only, and
-// bf16 weights are not packed), so a packed product is one pass.
+// included). f32 and int8 rows take no k chunks in the plain product either (`KChunks` splits plain bf16 rows only), so
+// a packed product is one pass; bf16 panels (exactly f32 weights, `MatmulF32Packed`) take the f32 panels' chains.
 // `panel(p)`: panel p's weights as a tile source (`Stored` or `Affine`); `scale`: int8 codes' column scales, or null.
 template <typename Panel>
 void PackedPanels(const float* x, int64_t ldx, const Panel& panel, int64_t K, const float* scale, float* y, int64_t N,
@@ -518,15 +519,19 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, f
                             ffi::ResultBuffer<ffi::F32> y) {
   auto wd = w.dimensions();
   if (wd.size() != 3 || wd[2] != 64) return ffi::Error::InvalidArgument("w must be packed [P, K, 64]");
-  static_assert(sizeof(T) != 2, "bf16 rows take k chunks in the plain product (KChunks): not packed");
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   const int64_t K = wd[1];
   return PackedProduct(xla_pool, x, wd[0], K, [=](int64_t p) { return Stored<T>{wp + p * K * 64, 64}; }, scale, y);
 }
 
+// f32 panels, or bf16 panels holding f32 weights that are every one exactly a bf16 value (`pallas_kernels.linear.
+// pack_f32`: a checkpoint stored in bf16 and loaded as f32). Widening bf16 to f32 is exact (a 16-bit shift), so a
+// bf16 panel gives its tiles the f32 weights themselves and the f32 panels' chains (a packed product takes no k
+// chunks, unlike the plain bf16 product, `KChunks`): the same bits at half the bytes read.
 ffi::Error MatmulF32Packed(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::ResultBuffer<ffi::F32> y) {
-  if (w.element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument("w must be f32");
+  if (w.element_type() == ffi::DataType::BF16) return MatmulPackedImpl<uint16_t>(xla_pool, x, w, nullptr, y);
+  if (w.element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument("w must be f32 or bf16");
   return MatmulPackedImpl<float>(xla_pool, x, w, nullptr, y);
 }
 

@@ -86,11 +86,13 @@ def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def matmul_f32_packed(x: jax.Array, panels: jax.Array) -> jax.Array:
     """x f32[..., K] @ w -> f32[..., N] for f32 weights packed in 64-column panels, `panels` f32[N / 64, K, 64]
-    (`pallas_kernels.linear.pack_f32`): each output one FMA chain over k in order, the same bits as `matmul_f32` on the
+    (`pallas_kernels.linear.pack_f32`) -- or bf16 panels of weights that are exactly bf16 values, read at half the
+    bytes and widened exactly: each output one FMA chain over k in order, the same bits as `matmul_f32` on the
     unpacked `w` for any number of rows. Raises RuntimeError (naming why) where the native library is not available,
     ValueError for mismatched shapes."""
     call = _packed_call("matmul_f32_packed", native.MATMUL_F32_PACKED_TARGET, x, panels)
-    return call(x.astype(jnp.float32), panels.astype(jnp.float32))
+    stored = jnp.bfloat16 if panels.dtype == jnp.bfloat16 else jnp.float32
+    return call(x.astype(jnp.float32), panels.astype(stored))
 
 
 def matmul_int8_packed(x: jax.Array, panels: jax.Array, scale: jax.Array) -> jax.Array:

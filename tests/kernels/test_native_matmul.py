@@ -222,6 +222,32 @@ def test_packed_weights_give_the_plain_matrixs_bits_for_any_number_of_rows(K, N)
     assert isinstance(p, PackedF32)
 
 
+@pytest.mark.parametrize("K,N", [(576, 3072), (256, 768), (70, 192)])
+def test_bf16_exact_weights_pack_as_bf16_panels_with_the_f32_products_bits(K, N):
+    """A matrix whose f32 weights are every one exactly a bf16 value (a bf16 checkpoint loaded as f32) packs as bf16
+    panels -- half the bytes -- and `linear` and the packed product give exactly the f32 panels' and the plain matrix's
+    bits for every row count; one weight that is not a bf16 value keeps the f32 panels."""
+    from pallas_kernels.linear import bf16_exact
+    from pallas_kernels.native.matmul import matmul_f32, matmul_f32_packed
+
+    rng = np.random.default_rng(K + 7 * N)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    p = pack_f32(w)
+    assert bf16_exact(w) and p.panels.dtype == jnp.bfloat16 and p.dtype == jnp.float32
+    assert p.nbytes * 2 == w.nbytes and p.shape == (K, N)
+    np.testing.assert_array_equal(np.asarray(unpack_f32(p)), np.asarray(w))
+    f32_panels = p.panels.astype(jnp.float32)
+    x = jnp.asarray(rng.standard_normal((70, K)), jnp.float32)
+    for M in (1, 2, 5, 9, 33, 64, 65):
+        direct = np.asarray(matmul_f32_packed(x[:M], p.panels))
+        assert np.array_equal(direct.view(np.uint32), np.asarray(matmul_f32_packed(x[:M], f32_panels)).view(np.uint32))
+        assert np.array_equal(direct.view(np.uint32), np.asarray(matmul_f32(x[:M], w)).view(np.uint32)), M
+        assert np.array_equal(np.asarray(pallas_kernels.linear(x[:M], p)), np.asarray(pallas_kernels.linear(x[:M], w)))
+    off = w.at[K // 2, N // 3].add(w[K // 2, N // 3] * 2.0 ** -12)  # a bit below bf16's precision
+    assert not bf16_exact(off) and pack_f32(off).panels.dtype == jnp.float32
+    assert jax.jit(lambda a: pack_f32(a).panels)(w).dtype == jnp.float32  # traced: values unknown, f32 panels
+
+
 @pytest.mark.parametrize("K,N", [(576, 960), (576, 3072), (1536, 576), (300, 128)])
 def test_packed_int8_codes_give_the_int8_weights_bits_for_any_number_of_rows(K, N):
     """`linear` on a `PackedInt8` equals `linear` on its `Int8Weight` bit for bit (the same chains: one over all of k),

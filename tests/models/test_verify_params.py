@@ -46,3 +46,32 @@ def test_verify_params_are_the_loops_packed_copy_kept_remade_and_verify_with_the
     np.testing.assert_array_equal(np.asarray(unpack_f32(again["layers"][1]["w_down"])),
                                   np.asarray(model.params["layers"][1]["w_down"]))
     np.testing.assert_array_equal(_verify_logits(model, again, 5), _verify_logits(model, model.params, 5))
+
+
+def test_a_bf16_checkpoints_projections_pack_as_bf16_panels_and_verify_and_decode_with_the_f32_bits():
+    """Weights that are exactly bf16 values (a bf16 checkpoint loaded as f32) are packed at half the bytes; verify
+    blocks and decode loops give bit for bit what the f32 panels and the plain layout give."""
+    model = toy_model()
+    as_bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32) if a.dtype == jnp.float32 else a  # noqa: E731
+    for tree in (model.params, *model.params["layers"]):  # in place: the model's own dicts
+        for k, v in tree.items():
+            if isinstance(v, jax.Array):
+                tree[k] = as_bf16(v)
+    packed = model.loop_params()
+    layer = packed["layers"][0]
+    assert all(layer[k].panels.dtype == jnp.bfloat16 for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    is_packed = lambda a: isinstance(a, PackedF32)  # noqa: E731
+    f32 = jax.tree.map(lambda a: PackedF32(a.panels.astype(jnp.float32)) if is_packed(a) else a, packed,
+                       is_leaf=is_packed)
+    half = sum(a.nbytes for a in jax.tree.leaves(packed, is_leaf=is_packed) if is_packed(a))
+    assert 2 * half == sum(a.nbytes for a in jax.tree.leaves(f32, is_leaf=is_packed) if is_packed(a))
+    for T in (1, 5, 9):
+        want = _verify_logits(model, model.params, T)
+        np.testing.assert_array_equal(_verify_logits(model, packed, T), want)
+        np.testing.assert_array_equal(_verify_logits(model, f32, T), want)
+    cache = model.family.init_cache(model.config, 1, 64, model.cache_dtype)
+    _, cache = steps.prefill(model, cache, np.arange(1, 20, dtype=np.int32))
+    first, seed = jnp.asarray([3], jnp.int32), jnp.zeros((1,), jnp.int32)
+    runs = [np.asarray(steps.decode(p, model.config, jax.tree.map(jnp.copy, cache), first, seed, num_steps=12,
+                                    family=model.family, impl=model.attention)[0]) for p in (packed, f32)]
+    np.testing.assert_array_equal(runs[0], runs[1])

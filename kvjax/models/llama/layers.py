@@ -54,7 +54,8 @@ def pack_projections(params: Params) -> Params:
     them (elsewhere, or for a matrix whose width is not a multiple of 64: unchanged) -- or, where every weight of a
     matrix is exactly a block-affine code (a GGUF model's, `pallas_kernels.affine`), as those codes (`PackedAffine`: the
     same values and bits at 1.25 bytes per weight; SmolLM2's loop layout 170 MB instead of 538, its decode step at 8K
-    27.4 ms instead of ~40). `linear` gives the same bits for
+    27.4 ms instead of ~40), and where every weight is exactly a bf16 value (a bf16 checkpoint's), in bf16 panels (the
+    same values and bits at 2 bytes per weight, `pack_f32`). `linear` gives the same bits for
     either layout, so verify-shape forwards and decode loops (`Model.verify_params()`, `Model.loop_params()`: one fused,
     packed copy) compute the plain layout's hidden states bit for bit at the native rows; their logits are the packed
     head's (the native product's rounding, not XLA's dot of the embedding), the same in VeriCache's verification, its
