@@ -215,3 +215,14 @@ def test_multiply_add_counts_match_the_checkpoints_weights_and_the_verify_floor_
     assert f["product_multiply_adds"] == 3 * weights
     assert abs(f["ms"] - (f["attention_multiply_adds"] + f["product_multiply_adds"]) / 1e9 * 1e3) < 1e-9
     assert arithmetic_floor(cfg, 100, 2, rate=None) is None
+
+
+@pytest.mark.slow  # ~20 s end to end; the bits themselves are asserted in tests/models/test_verify_params.py
+def test_bench_bf16_panels_runs_and_both_layouts_give_the_same_bits(tmp_path):
+    out = tmp_path / "panels.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_bf16_panels.py"), "--context", "600",
+                        "--reps", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["same_bits"] == {"decode": True, "verify": True}
+    assert rec["weight_bytes"]["bf16 panels"] < rec["weight_bytes"]["f32 panels"]
