@@ -11,21 +11,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvjax import hugepages  # noqa: E402
-
-
-def _run_as_a_benchmark() -> bool:
-    """Whether this process is one of these scripts run by itself (not pytest or another program importing this
-    module)."""
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    return bool(main) and os.path.dirname(os.path.abspath(main)) == os.path.dirname(os.path.abspath(__file__))
-
-
-# A benchmark re-executes itself once with huge pages (`kvjax.hugepages`) before it allocates anything large: every
-# contender it times runs in this process (and its subprocesses, which inherit the setting), so all of them get them.
-if _run_as_a_benchmark():
-    hugepages.reexec()
-
 
 # The six static drafters' settings every benchmark compares (4x budget; dropquant halves and quantizes).
 STATIC_DRAFTERS = {

@@ -25,7 +25,6 @@ import os
 import sys
 import threading
 
-from kvjax import hugepages
 from kvjax.cli import bench, cache, compile_cache, generate, models, plot, serve
 from kvjax.cli.common import CliError, log
 from kvjax.cli.generate import summary
@@ -33,14 +32,10 @@ from kvjax.cli.interrupt import exit_on_interrupt
 from kvjax.cli.output import check_output_path
 from kvjax.errors import KvjaxError
 
-# the commands that decode (or run benchmarks that do): their process re-executes itself once for huge pages
-HUGEPAGE_COMMANDS = ("generate", "serve", "bench")
-
 
 class _Version(argparse.Action):
-    """`--version`: the version, which CPU attention runs ("native", or "xla" with the reason the native kernel is not
-    there) and whether the decoding commands get huge pages. Resolved only when asked: the first call may build the
-    native kernel."""
+    """`--version`: the version and which CPU attention runs ("native", or "xla" with the reason the native kernel
+    is not there). Resolved only when asked: the first call may build the native kernel."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         from kvjax import __version__
@@ -48,18 +43,8 @@ class _Version(argparse.Action):
 
         st = native.status()
         cpu = "native" if st["ok"] else f"xla (native kernel unavailable: {st['reason'][:300]})"
-        sys.stdout.write(f"kvjax {__version__}\nCPU attention: {cpu}\nhuge pages: {_huge_pages()}\n")
+        sys.stdout.write(f"kvjax {__version__}\nCPU attention: {cpu}\n")
         parser.exit()
-
-
-def _huge_pages() -> str:
-    """Whether the decoding commands' large arrays get huge pages here (`kvjax.hugepages`), in a few words."""
-    st = hugepages.status()
-    if st["active"]:
-        return "on"
-    if hugepages.reexec_env() is not None:
-        return f"on for {', '.join(HUGEPAGE_COMMANDS)} (re-executed with GLIBC_TUNABLES={hugepages.TUNABLE}=1)"
-    return f"off ({st['reason'] or 'turned off with KVJAX_HUGEPAGES=0'})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +75,7 @@ def _quiet_broken_pipe() -> int:
 def main(argv=None) -> int:
     """The command: `argv` None reads sys.argv and is the real process (then Ctrl-C exits 130 at once, see
     `kvjax.cli.interrupt`); a list runs in-process (tests), where KeyboardInterrupt returns 130."""
-    real_process = argv is None
-    if real_process and threading.current_thread() is threading.main_thread():
+    if argv is None and threading.current_thread() is threading.main_thread():
         exit_on_interrupt()
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = []
@@ -103,8 +87,6 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # --help / --version into a closed pipe
         return _quiet_broken_pipe()
     args.script_args = script_args
-    if real_process and args.command in HUGEPAGE_COMMANDS:
-        hugepages.reexec()  # once, before anything large is allocated (`kvjax.hugepages`); returns where it changes nothing
     args.json_stdout = args.json == "-"
     try:
         if script_args and args.command != "bench":
