@@ -101,6 +101,11 @@ def test_scalar_build_equals_the_vector_build(tmp_path):
             a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p))
                     for t in (native.MATMUL_F32_PACKED_TARGET, "kvjax_matmul_packed_scalar_test"))
             assert np.array_equal(a, b), ("packed", M, K, N)
+            p = pack_f32(w.astype(jnp.float32)).panels  # exactly bf16 values: bf16 panels
+            assert p.dtype == jnp.bfloat16
+            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p))
+                    for t in (native.MATMUL_F32_PACKED_TARGET, "kvjax_matmul_packed_scalar_test"))
+            assert np.array_equal(a, b), ("bf16 panels", M, K, N)
             p = pack_int8(q)
             a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p.panels, p.scale))
                     for t in (native.MATMUL_I8_PACKED_TARGET, "kvjax_matmul_int8_packed_scalar_test"))
