@@ -439,12 +439,13 @@ ffi::Error MatmulF32(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // ------------------------------------------------------------------------------------------------ packed weights
 // w [P, K, 64] (f32, bf16 holding exactly f32 weights, or int8 codes with scale f32[64P]): panel p holds columns
 // [64p, 64p + 64) of a [K, N = 64P] matrix, its 64 weights of each k contiguous (`pallas_kernels.linear.pack_f32` /
-// `pack_int8`). A tile then reads its weights as one contiguous stream instead of K runs of 64 weights N elements
-// apart (which the hardware prefetchers follow poorly: a 9-row tile over SmolLM2's f32 [576, 3072] read 5.2-5.9 GB/s
-// strided vs 7.2-8.5 packed on one core). The same chains as the plain matrix's product (`MatmulImpl`): a plain product at k = 0, then one FMA per k in order,
-// times the column's scale once -- so packed and plain weights give the same bits, for any number of rows (one row
-// included). f32 and int8 rows take no k chunks in the plain product either (`KChunks` splits plain bf16 rows only), so
-// a packed product is one pass; bf16 panels (exactly f32 weights, `MatmulF32Packed`) take the f32 panels' chains.
+// `pack_int8`). A tile then reads its weights as one contiguous stream instead of K runs of 64 weights N elements apart
+// (which the hardware prefetchers follow poorly: a 9-row tile over SmolLM2's f32 [576, 3072] read 5.2-5.9 GB/s strided
+// vs 7.2-8.5 packed on one core). The same chains as the plain matrix's product (`MatmulImpl`): a plain product at
+// k = 0, then one FMA per k in order, times the column's scale once -- so packed and plain weights give the same bits,
+// for any number of rows (one row included). f32 and int8 rows take no k chunks in the plain product either (`KChunks`
+// splits plain bf16 rows only), so a packed product is one pass; bf16 panels (exactly f32 weights, `MatmulF32Packed`)
+// take the f32 panels' chains.
 // `panel(p)`: panel p's weights as a tile source (`Stored` or `Affine`); `scale`: int8 codes' column scales, or null.
 template <typename Panel>
 void PackedPanels(const float* x, int64_t ldx, const Panel& panel, int64_t K, const float* scale, float* y, int64_t N,
