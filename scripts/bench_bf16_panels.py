@@ -47,7 +47,9 @@ def measure(model, context: int, x: int, reps: int) -> dict:
     layouts = {"bf16 panels": model.loop_params()}
     layouts["f32 panels"] = widened(layouts["bf16 panels"])
     prompt = np.random.default_rng(1).integers(5, cfg.vocab_size, context - 300).astype(np.int32)
-    full, first = vericache.prefill_for(model, prompt, 256, max_draft=x)
+    # room for every timed call: each decode call adds STEPS tokens, each verify up to x + 1 (a call past the cache's
+    # capacity would overwrite its last slot instead)
+    full, first = vericache.prefill_for(model, prompt, (reps + 3) * 2 * (STEPS + x + 1), max_draft=x)
     seed, last = jnp.zeros((1,), jnp.int32), np.asarray(first)
     qlog = jnp.zeros((1, 1, cfg.vocab_size), jnp.float32)
     drafts = jnp.asarray(np.random.default_rng(2).integers(5, cfg.vocab_size, (1, x)).astype(np.int32))
