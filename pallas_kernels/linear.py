@@ -119,7 +119,7 @@ def pack_f32(w: jax.Array) -> PackedF32:
     Why bf16 where exact: a decode row or verify block reads every weight once, so its products are bound by the bytes
     they read; most checkpoints are stored in bf16, and loaded as f32 they are exactly bf16 values. Measured (the
     bundled model from its bf16 safetensors, its loop layout 12.0 MiB instead of 20.0; bf16 against f32 panels
-    interleaved in one process, medians, the same tokens and logits bits): the full-cache decode step 0.72-0.77x the
+    interleaved in one process, medians, the same tokens and logits bits): the full-cache decode step 0.68-0.77x the
     time at 4K, 0.85x at 8K, 0.90-0.96x at 32K; the x = 8 verify 0.91x, 0.96-0.97x and 0.96-0.99x."""
     if not packable(w):
         raise ValueError(f"pack_f32 needs an f32 [K, N] matrix with N a positive multiple of {PANEL}, got "
