@@ -124,10 +124,8 @@ def pack_f32(w: jax.Array) -> PackedF32:
     if not packable(w):
         raise ValueError(f"pack_f32 needs an f32 [K, N] matrix with N a positive multiple of {PANEL}, got "
                          f"{getattr(w, 'dtype', type(w).__name__)}{tuple(getattr(w, 'shape', ()))}")
-    panels = _panel(w)
-    if bf16_exact(w):
-        panels = panels.astype(jnp.bfloat16)
-    return PackedF32(panels)
+    # cast before the panel transpose: one copy of the matrix, in the bytes it is stored in (not an f32 one, then bf16)
+    return PackedF32(_panel(w.astype(jnp.bfloat16) if bf16_exact(w) else w))
 
 
 def bf16_exact(w: jax.Array) -> bool:
