@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import native
 from pallas_kernels.affine import PackedAffine, unpack_affine
-from pallas_kernels.int_dot import IntDotCodes, int_dot_reference
+from pallas_kernels.int_dot import IntDot8, IntDotCodes, int_dot8_reference, int_dot_reference
 
 
 class Int8Weight(NamedTuple):
@@ -200,6 +200,12 @@ def linear(x: jax.Array, w) -> jax.Array:
 
             return matmul_int_dot(x, w.q, w.d, w.m)
         return int_dot_reference(x, w)
+    if isinstance(w, IntDot8):  # ... and its int8 codes' form
+        if native_cpu and x.dtype == jnp.float32:
+            from pallas_kernels.native.matmul import matmul_int_dot8  # noqa: PLC0415 - only where the library built
+
+            return matmul_int_dot8(x, w.q, w.scale)
+        return int_dot8_reference(x, w)
     if isinstance(w, PackedAffine):  # exactly an f32 matrix (`pallas_kernels.affine`): its bits, fewer bytes read
         if f32_native:
             from pallas_kernels.native.matmul import matmul_affine_packed  # noqa: PLC0415 - where the library built

@@ -517,8 +517,8 @@ def register(sub) -> None:
                         "int8 on CPU where the native kernel builds -- int_dot or float32 for a GGUF model, whose "
                         "loops read its exact block codes --, bfloat16 on GPU/TPU; bfloat16: a bf16 copy, half the "
                         "bytes per draft token; int8: codes with a scale per output column, a quarter; int_dot: a GGUF "
-                        "model's 4-bit codes times int16-rounded rows by integer dot products, the default drafter's "
-                        "for such a model where the CPU has them; verification keeps the exact weights, so the output "
+                        "model's 4-bit codes (or a float model's int8 codes) times int16-rounded rows by integer dot "
+                        "products, the default drafter's for a GGUF model where the CPU has them; verification keeps the exact weights, so the output "
                         "is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")

@@ -11,7 +11,7 @@ them (`family.loop_params`) and with the output head as its own [H, V] matrix; i
 `pallas_kernels.linear` (the native kernel on CPU reads bf16 directly; XLA:CPU would convert to f32 first). int8 codes
 ("int8") are a quarter of f32's bytes; a GGUF model's own 4-bit codes are drafted exactly ("float32": the loops' layout)
 or by integer dot products with int16-rounded rows ("int_dot", `pallas_kernels.int_dot`: the same codes, fewer
-instructions per weight).
+instructions per weight); a float model's "int_dot" draft multiplies the int8 draft's codes that way (`IntDot8`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels.int_dot import int_dot_codes, requantize_4bit
+from pallas_kernels.affine import PackedAffine
+from pallas_kernels.int_dot import int_dot8_codes, int_dot_codes, requantize_4bit
 from pallas_kernels.linear import PANEL, pack_int8, packed_weights_supported, quantize_int8
 from kvjax.arrays import tree_identity
 from kvjax.compress.base import DRAFT_WEIGHTS
@@ -54,17 +55,34 @@ def _int8(w):
 
 
 def _int_dot_params(model):
-    """The loops' params with every 4-bit code matrix in the integer-dot layout (`pallas_kernels.int_dot`); a tied
-    output head as 4-bit codes with its best candidates re-scored exactly (`lm_head_coarse`, `lm_head_rows`), an
-    untied one kept as the loops' codes; norms and the embedding shared with the loops. InputError unless the
-    projections are 4-bit block codes (a GGUF Q4_0 / Q4_1 model on the CPU)."""
+    """The loops' params with every projection in an integer-dot layout (`pallas_kernels.int_dot`): a GGUF model's own
+    4-bit codes (`_four_bit_params`), or int8 codes with a scale per column made from a float model's weights
+    (`IntDot8`, the "int8" draft's codes; a matrix the kernel's blocks and panels do not fit stays packed int8)."""
     params = model.loop_params()
+    if any(isinstance(layer[k], PackedAffine) for layer in params["layers"] for k in FUSED_PROJECTIONS if k in layer):
+        return _four_bit_params(model, params)
+
+    def codes(w):
+        q = quantize_int8(w)
+        return int_dot8_codes(q.codes, q.scale) or _int8(w)
+
+    params = model.family.loop_params(model.params)
+    layers = tuple({k: (codes(v) if k in FUSED_PROJECTIONS else v) for k, v in layer.items()}
+                   for layer in params["layers"])
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return dict(params, layers=layers, lm_head=codes(head))
+
+
+def _four_bit_params(model, params):
+    """`params` (the loops') with every 4-bit code matrix in the integer-dot layout; a tied output head as 4-bit codes
+    with its best candidates re-scored exactly (`lm_head_coarse`, `lm_head_rows`), an untied one kept as the loops'
+    codes; norms and the embedding shared with the loops. InputError unless every projection is 4-bit block codes."""
     layers = []
     for layer in params["layers"]:
         codes = {k: int_dot_codes(layer[k]) for k in FUSED_PROJECTIONS if k in layer}
         if not codes or any(c is None for c in codes.values()):
-            raise InputError("draft_weights='int_dot' needs a model whose loops read 4-bit block codes (a GGUF "
-                             "Q4_0 / Q4_1 model on the CPU, `kvjax.families.llama.reads_block_codes`)")
+            raise InputError("draft_weights='int_dot' needs 4-bit block codes in every projection of a GGUF model "
+                             "(Q4_0 / Q4_1), or a float model")
         layers.append({**layer, **codes})
     out = dict(params, layers=tuple(layers))
     rows = params.get("embed") if "lm_head" not in model.params else None
@@ -82,8 +100,8 @@ def draft_params(model, weights: str = "float32"):
     fused, and on CPU packed -- a GGUF model's as its exact block codes, `pallas_kernels.affine`; shared with
     verification, so no extra copy); for "bfloat16" a fused bf16 copy, for "int8" fused
     int8 codes with a scale per output column (`pallas_kernels.linear.Int8Weight`; on CPU packed in 64-column panels,
-    `PackedInt8`); for "int_dot" a GGUF model's 4-bit codes in the integer-dot layout, multiplied with int16-quantised
-    rows (`pallas_kernels.int_dot`: lossy, a draft's only); each made on first use and then kept while the model's
+    `PackedInt8`); for "int_dot" a GGUF model's 4-bit codes, or a float model's int8 codes, in the integer-dot layout,
+    multiplied with int16-quantised rows (`pallas_kernels.int_dot`: lossy, a draft's only); each made on first use and then kept while the model's
     params hold the same arrays (a weight replaced anywhere in the tree makes it again); InputError
     (`check_draft_weights`) for any other name or where this family, model or platform cannot draft with it."""
     if weights == "float32":

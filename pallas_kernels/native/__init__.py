@@ -2,7 +2,7 @@
 (`attention.cc`; with some rows' block masses from the same pass, `attend_stats_mass`), the refreshing drafter's
 block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
-codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot`), gathers of a cache's rows as int8
+or int8 codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot` / `matmul_int_dot8`), gathers of a cache's rows as int8
 codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`, both on `gather.h`) and greedy tokens' argmax (`argmax.cc`,
 `pallas_kernels.argmax`).
 
@@ -58,6 +58,7 @@ MATMUL_F32_PACKED_TARGET = "kvjax_matmul_f32_packed"  # matmul.cc's product with
 MATMUL_I8_PACKED_TARGET = "kvjax_matmul_int8_packed"  # ... and with panel-packed int8 codes
 MATMUL_AFFINE_PACKED_TARGET = "kvjax_matmul_affine_packed"  # ... and with packed block-affine codes (exact f32 weights)
 MATMUL_INT_DOT_TARGET = "kvjax_matmul_int_dot"  # int_dot.cc: 4-bit codes x int16-quantised rows (a draft's, lossy)
+MATMUL_INT_DOT8_TARGET = "kvjax_matmul_int_dot8"  # ... and int8 codes x int16-quantised rows
 ARGMAX_TARGET = "kvjax_argmax"  # argmax.cc: each row's first maximum (`pallas_kernels.argmax.argmax`)
 _lock = threading.Lock()
 _state: dict = {}
@@ -156,6 +157,8 @@ def _build() -> dict:
             jax.ffi.register_ffi_target(MATMUL_AFFINE_PACKED_TARGET,
                                         jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked), platform="cpu")
             jax.ffi.register_ffi_target(MATMUL_INT_DOT_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulIntDot),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(MATMUL_INT_DOT8_TARGET, jax.ffi.pycapsule(handle.KvjaxMatmulIntDot8),
                                         platform="cpu")
             jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(handle.KvjaxArgmax), platform="cpu")
         except Exception as e:  # noqa: BLE001 -- any load/registration failure means: use XLA, and say why

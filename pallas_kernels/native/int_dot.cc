@@ -1,6 +1,6 @@
-// A draft's products with 4-bit block codes by integer dot products, as an XLA FFI custom call: the row is quantised
-// to int16 per block of 32 k, and codes times row codes accumulate exactly in int32 (VPDPWSSD where the CPU has
-// AVX-512 VNNI).
+// A draft's products with 4-bit block codes, or int8 codes, by integer dot products, as XLA FFI custom calls: the row
+// is quantised to int16 per block of 32 k, and codes times row codes accumulate exactly in int32 (VPDPWSSD where the
+// CPU has AVX-512 VNNI). The int8 codes' product (`MatmulIntDot8`) is described where it is defined, below.
 //
 // Inputs  x f32[M, K] (any leading shape, flattened to M rows), q uint8[P, K / 2, 64] (below), d f16[P, K / 32, 64],
 //         m (d's shape)
@@ -216,12 +216,120 @@ ffi::Error MatmulIntDot(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------------ int8 codes
+// Inputs  x f32[M, K] (flattened as above), q int8[P, K / 2, 128] (below), scale f32[64P]
+// Output  y f32[M, 64P]
+//
+// Semantics (`pallas_kernels.int_dot.int_dot8_reference`): the rows quantised as for the 4-bit codes; then
+// y[r, n] = scale[n] * (sum over blocks b in order of fma(xs, (sum_k q[k, n] * xq[k]), .)), the integer sum exact (at
+// most 32 * 127 * 32767 in magnitude); a block holding NaN or inf makes its row NaN. Lossy by the row's quantisation,
+// for drafts only: int8 codes with a scale per column (`pallas_kernels.linear.Int8Weight`) made from a float model's
+// weights.
+//
+// Layout of q (`pallas_kernels.int_dot.int_dot8_codes`): panel p, k pair g: 128 bytes; byte 32s + 2i + j holds the
+// code of column 16s + i at k = 2g + j. Each 32-byte quarter widened to 16-bit words is one register of 16 columns x
+// 2 k, VPDPWSSD's operand order, each row's x pair broadcast as 32 bits.
+//
+// Why: the exact int8 product (`matmul.cc`, `Stored<int8_t>`) widens each code to f32 (sign extension, conversion)
+// before its FMA: 3 vector ops per 16 weights and row. Here 128 weights cost 4 widening loads and 4 dot instructions
+// per row, about a third of the ops, and a draft token's one-row products are op-bound while its weights sit in cache.
+template <int R>
+void PanelRows8(const int8_t* q, const float* scale, const QuantRows& Q, int64_t K, int64_t r0, float* y, int64_t N) {
+  constexpr int64_t kPair8 = 2 * kPanel;  // bytes of one k pair of a panel
+  const int64_t B = K / kBlock, pairs = K / 2;
+  float acc_y[R][kPanel];
+  for (int r = 0; r < R; ++r) std::fill(acc_y[r], acc_y[r] + kPanel, 0.0f);
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t isum[R][kPanel];
+#if KVJAX_INT_DOT_VNNI
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t g = b * (kBlock / 2); g < (b + 1) * (kBlock / 2); ++g) {
+      const int8_t* src = q + g * kPair8;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kPair8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kPair8 + 64), _MM_HINT_T0);
+      __m512i w[4];
+      for (int c = 0; c < 4; ++c)
+        w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * c)));
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(Q.pairs[(r0 + r) * pairs + g]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], w[c], xb);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_si512(isum[r] + 16 * c, acc[r][c]);
+#else
+    // the same integer sums, one product at a time (exact in any order)
+    for (int r = 0; r < R; ++r) std::fill(isum[r], isum[r] + kPanel, 0);
+    for (int64_t g = b * (kBlock / 2); g < (b + 1) * (kBlock / 2); ++g) {
+      const int8_t* src = q + g * kPair8;
+      for (int r = 0; r < R; ++r) {
+        int16_t xq[2];
+        std::memcpy(xq, &Q.pairs[(r0 + r) * pairs + g], sizeof(xq));
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < 2; ++j) isum[r][16 * c + i] += src[32 * c + 2 * i + j] * xq[j];
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      const float xs = Q.scale[(r0 + r) * B + b];
+      for (int64_t n = 0; n < kPanel; ++n) acc_y[r][n] = std::fma(xs, static_cast<float>(isum[r][n]), acc_y[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t n = 0; n < kPanel; ++n) y[(r0 + r) * N + n] = acc_y[r][n] * scale[n];
+}
+
+ffi::Error MatmulIntDot8(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                         ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto qd = q.dimensions(), xd = x.dimensions();
+  if (qd.size() != 3 || qd[2] != 2 * kPanel) return ffi::Error::InvalidArgument("q must be int8 [P, K / 2, 128]");
+  const int64_t P = qd[0], K = qd[1] * 2, N = P * kPanel;
+  if (K % kBlock) return ffi::Error::InvalidArgument("q's K must be a multiple of 32");
+  if (scale.element_count() != static_cast<size_t>(N)) return ffi::Error::InvalidArgument("scale must be f32[64P]");
+  if (xd.size() < 1 || xd[xd.size() - 1] != K) return ffi::Error::InvalidArgument("x's last dimension must equal K");
+  const int64_t M = K > 0 ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, 64P]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  float* yp = y->typed_data();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const QuantRows Q = Quantise(x.typed_data(), M, K);
+  const int8_t* qp = q.typed_data();
+  const float* sp = scale.typed_data();
+  kvjax_native::Workers pool(xla_pool);
+  const int64_t units = kvjax_native::PanelUnits(pool, P);  // as the 4-bit product's: contiguous runs of panels
+  pool.Run(units, [&](int64_t u) {
+    for (int64_t p = u * P / units; p < (u + 1) * P / units; ++p) {
+      const int8_t* qpp = qp + p * (K / 2) * 2 * kPanel;
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+        switch (std::min<int64_t>(kMaxRows, M - r0)) {
+          case 1: PanelRows8<1>(qpp, sp + p * kPanel, Q, K, r0, yp + p * kPanel, N); break;
+          case 2: PanelRows8<2>(qpp, sp + p * kPanel, Q, K, r0, yp + p * kPanel, N); break;
+          case 3: PanelRows8<3>(qpp, sp + p * kPanel, Q, K, r0, yp + p * kPanel, N); break;
+          default: PanelRows8<4>(qpp, sp + p * kPanel, Q, K, r0, yp + p * kPanel, N); break;
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulIntDot, MatmulIntDot,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatmulIntDot8, MatmulIntDot8,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // Whether the integer dot products run as VNNI instructions here (1) or one product at a time (0, the same results).
 extern "C" int kvjax_native_int_dot_vnni() { return KVJAX_INT_DOT_VNNI; }

@@ -140,3 +140,19 @@ def matmul_int_dot(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> ja
                          f"{d.shape}, {m.shape}")
     call = _call(native.MATMUL_INT_DOT_TARGET, x, q.shape[0] * 64)
     return call(x.astype(jnp.float32), q, d.astype(jnp.float16), m.astype(jnp.float16))
+
+
+def matmul_int_dot8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x f32[..., K] times int8 codes by integer dot products -> f32[..., N] (`pallas_kernels.int_dot.IntDot8`: `q`
+    int8[N / 64, K / 2, 128] in its pair layout, `scale` f32[N]); each row quantised to int16 per block of 32 k inside
+    the call, so the result is `int_dot8_reference`'s up to f32 rounding, not the exact product. RuntimeError where the
+    library is not available; ValueError for other shapes."""
+    _require()
+    if q.ndim != 3 or q.shape[2] != 128 or q.dtype != jnp.int8 or x.shape[-1] != 2 * q.shape[1]:
+        raise ValueError(f"matmul_int_dot8 needs x [..., K] and q int8 [P, K / 2, 128], got {x.shape} and "
+                         f"{q.dtype}{q.shape}")
+    if (2 * q.shape[1]) % 32 or scale.shape != (q.shape[0] * 64,):
+        raise ValueError(f"matmul_int_dot8 needs K a multiple of 32 and scale [{q.shape[0] * 64}], got "
+                         f"K = {2 * q.shape[1]}, {scale.shape}")
+    call = _call(native.MATMUL_INT_DOT8_TARGET, x, q.shape[0] * 64)
+    return call(x.astype(jnp.float32), q, scale.astype(jnp.float32))

@@ -15,6 +15,8 @@ from kvjax.decode.draft_weights import check_draft_weights, draft_params
 from kvjax.decode import vericache as vericache_mod
 from kvjax.remote import prefix_entry as pe
 from pallas_kernels import native
+from pallas_kernels.affine import PackedAffine
+from pallas_kernels.int_dot import IntDot8, unpack_int_dot8
 from pallas_kernels.linear import Int8Weight, PackedInt8, dequantize_int8, packed_weights_supported, unpack_int8
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 draft weights need the native kernel on CPU")
@@ -24,7 +26,7 @@ def _prompt(n=120, seed=0):
     return np.random.default_rng(seed).integers(0, 97, n).astype(np.int32)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int_dot"])
 def test_low_precision_draft_weights_keep_vericache_exact(hf_model_dir, weights):
     m = kvjax.load(hf_model_dir("llama")[1])
     p = _prompt(seed=3)
@@ -73,6 +75,23 @@ def test_int8_draft_params_are_codes_and_scales_per_output_column(hf_model_dir):
     assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size)
 
 
+def test_int_dot_draft_params_of_a_float_model_are_int8_codes_in_the_pair_layout(hf_model_dir):
+    """A float model's integer-dot draft reads the int8 draft's codes and scales (`IntDot8`) where the kernel's blocks
+    of 32 k and panels of 64 columns fit the matrix, and the int8 draft's own layout where they do not."""
+    m = kvjax.load(hf_model_dir("llama")[1])
+    d, i8 = draft_params(m, "int_dot"), draft_params(m, "int8")
+    assert draft_params(m, "int_dot") is d  # kept, like every other kind
+    for k in ("wqkv", "wo", "w_gate_up", "w_down"):
+        w, ref = d["layers"][0][k], i8["layers"][0][k]
+        ref = unpack_int8(ref) if isinstance(ref, PackedInt8) else ref
+        K, N = ref.shape
+        assert isinstance(w, IntDot8) == (K % 32 == 0 and N % 64 == 0), k
+        if isinstance(w, IntDot8):
+            np.testing.assert_array_equal(np.asarray(unpack_int_dot8(w)), np.asarray(ref.codes))
+            np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(ref.scale))
+    assert d["lm_head"].shape == (m.config.hidden_size, m.config.vocab_size)
+
+
 def test_bad_draft_weights_and_the_draft_identity(hf_model_dir, monkeypatch):
     m = kvjax.load(hf_model_dir("llama")[1])
     with pytest.raises(ValueError, match="draft_weights must be one of"):
@@ -81,12 +100,16 @@ def test_bad_draft_weights_and_the_draft_identity(hf_model_dir, monkeypatch):
         check_draft_weights("int4")
     with pytest.raises(kvjax.InputError, match="llama family"):
         check_draft_weights("bfloat16", "deepseek_v4")
-    # integer-dot drafts read 4-bit block codes (a GGUF model's): a model of f32 weights is told so before any compute
+    # integer-dot drafts of a GGUF model read its 4-bit block codes: one of 8-bit codes is told so before any compute
     calls = []
     monkeypatch.setattr(vericache_mod, "prefill_for", lambda *a, **k: calls.append(a))
+    eight_bit = PackedAffine(jnp.zeros((1, 64, 64), jnp.int8), jnp.ones((1, 2, 64)), jnp.zeros((1, 2, 64)))
+    assert eight_bit.bits == 8
+    monkeypatch.setattr(type(m), "loop_params", lambda self: {"layers": ({"wqkv": eight_bit},)})
     with pytest.raises(kvjax.InputError, match="4-bit block codes"):
         kvjax.generate_vericache(m, _prompt(), 4, compressor_kw=dict(draft_weights="int_dot"))
     assert not calls
+    monkeypatch.undo()
     # the weights drafting reads do not change the draft cache's keys and values: same stored-draft identity
     c = make_compressor("snapkv")
     assert pe.draft_identity(c, 64) == pe.draft_identity(dataclasses.replace(c, draft_weights="bfloat16"), 64)
