@@ -186,6 +186,22 @@ def scalar_native_library(directory):
     return _scalar_handles[0]
 
 
+def vector_and_scalar(directory, symbol: str, target: str):
+    """A function `call(out, *args)` that runs the product `symbol` of the active (vector) build, registered as
+    `target`, and of the scalar build (`scalar_native_library`) on the same arguments, and returns both results as
+    NumPy arrays, for tests that compare the two bit for bit."""
+    import jax
+
+    handle = scalar_native_library(directory)
+    scalar_target = f"{target}_scalar_test"
+    jax.ffi.register_ffi_target(scalar_target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+
+    def call(out, *args):
+        return tuple(np.asarray(jax.ffi.ffi_call(t, out)(*args)) for t in (target, scalar_target))
+
+    return call
+
+
 def gguf_weights(K, N, qtype, seed=0):
     """An f32 [K, N] matrix as a GGUF file holds it after loading: [N, K] rows quantised in blocks of 32 along K by the
     gguf package (`qtype`, a `gguf.GGMLQuantizationType`), dequantised to f32 (what `kvjax.formats` does), transposed

@@ -90,16 +90,12 @@ def test_the_codes_product_gives_the_f32_matrixs_bits_for_any_number_of_rows(K, 
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 def test_scalar_build_reads_the_codes_as_the_vector_build_does(tmp_path):
     """The portable build (scalar loop, std::fma) gives the vector build's bits on 8-bit and 4-bit codes."""
-    from builders import scalar_native_library
+    from builders import vector_and_scalar
 
-    handle = scalar_native_library(tmp_path)
-    jax.ffi.register_ffi_target("kvjax_matmul_affine_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulAffinePacked),
-                                platform="cpu")
+    both = vector_and_scalar(tmp_path, "KvjaxMatmulAffinePacked", native.MATMUL_AFFINE_PACKED_TARGET)
     for K, N, qtype in [(576, 192, Q.Q4_1), (96, 128, Q.Q8_0), (64, 128, Q.Q4_0)]:
         p = pack_affine(gguf_weights(K, N, qtype))
         for M in (1, 7, 33):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
-            out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, p.q, p.d, p.m))
-                    for t in (native.MATMUL_AFFINE_PACKED_TARGET, "kvjax_matmul_affine_scalar_test"))
+            a, b = both(jax.ShapeDtypeStruct((M, N), jnp.float32), x, p.q, p.d, p.m)
             assert np.array_equal(_bits(a), _bits(b)), (qtype, M)

@@ -109,19 +109,14 @@ def test_bad_shapes_are_refused_with_a_reason():
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 def test_scalar_build_gives_the_vector_builds_bits(tmp_path):
     """The portable build (integer sums one product at a time, the same f32 epilogue) agrees bit for bit."""
-    from builders import scalar_native_library
+    from builders import vector_and_scalar
 
-    handle = scalar_native_library(tmp_path)
-    jax.ffi.register_ffi_target("kvjax_int_dot_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulIntDot),
-                                platform="cpu")
+    both = vector_and_scalar(tmp_path, "KvjaxMatmulIntDot", native.MATMUL_INT_DOT_TARGET)
     for K, N, qtype in [(576, 192, Q.Q4_1), (64, 128, Q.Q4_0)]:
         c = int_dot_codes(pack_affine(gguf_weights(K, N, qtype)))
         for M in (1, 5):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
-            out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, c.q, c.d, c.m))
-                    for t in (native.MATMUL_INT_DOT_TARGET, "kvjax_int_dot_scalar_test"))
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(*both(jax.ShapeDtypeStruct((M, N), jnp.float32), x, c.q, c.d, c.m))
 
 
 def test_int_dot_codes_are_a_pytree_of_their_arrays():

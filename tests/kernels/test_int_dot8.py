@@ -96,16 +96,11 @@ def test_bad_shapes_are_refused_with_a_reason():
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
 def test_scalar_build_gives_the_vector_builds_bits(tmp_path):
     """The portable build (integer sums one product at a time, the same f32 epilogue) agrees bit for bit."""
-    from builders import scalar_native_library
+    from builders import vector_and_scalar
 
-    handle = scalar_native_library(tmp_path)
-    jax.ffi.register_ffi_target("kvjax_int_dot8_scalar_test", jax.ffi.pycapsule(handle.KvjaxMatmulIntDot8),
-                                platform="cpu")
+    both = vector_and_scalar(tmp_path, "KvjaxMatmulIntDot8", native.MATMUL_INT_DOT8_TARGET)
     for K, N in [(256, 192), (64, 128)]:
         _, c = _codes(K, N)
         for M in (1, 5):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
-            out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-            a, b = (np.asarray(jax.ffi.ffi_call(t, out)(x, c.q, c.scale))
-                    for t in (native.MATMUL_INT_DOT8_TARGET, "kvjax_int_dot8_scalar_test"))
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(*both(jax.ShapeDtypeStruct((M, N), jnp.float32), x, c.q, c.scale))
