@@ -338,3 +338,34 @@ def assert_every_request_exact(res, refs) -> None:
     for i, ref in enumerate(refs):
         np.testing.assert_array_equal(res.outputs[i], ref, err_msg=f"{res.name} request {i}")
     assert res.tokens == sum(len(r) for r in refs)
+
+
+def check_int_dot_product(w, product, reference, seed=0):
+    """Checks an integer-dot draft product (`pallas_kernels.int_dot`) of weights `w` [K, N]: `product(x)` (the native
+    kernel) against `reference(x)` (its jnp definition) up to f32 rounding for 1-11 rows through the dispatcher, each
+    row's result independent of the others, a zero row exactly 0, non-finite rows NaN (only theirs), and leading
+    dimensions flattened."""
+    import jax.numpy as jnp
+
+    import pallas_kernels
+
+    K, N = w.shape
+    x = np.random.default_rng(seed).standard_normal((11, K)).astype(np.float32)
+    x[2] = 0.0  # a row of zeros
+    x[3, :32] = 0.0  # and one block of zeros
+    x = jnp.asarray(x)
+    whole = np.asarray(product(x))
+    # the definition quantises and sums each row on its own: computed once for all 11 rows (~1 s a call)
+    ref = np.asarray(reference(x))
+    for M in (1, 2, 3, 4, 5, 9, 11):
+        got = np.asarray(pallas_kernels.linear(x[:M], w))  # the dispatcher takes the native kernel on CPU
+        np.testing.assert_allclose(got, ref[:M], rtol=2e-6, atol=2e-6 * np.abs(ref[:M]).max())
+        np.testing.assert_array_equal(got, whole[:M])  # a row's result does not depend on the others
+    np.testing.assert_array_equal(whole[2], 0)
+    bad = x[:3].at[1, 40].set(jnp.nan).at[2, 7].set(jnp.inf)  # non-finite rows give NaN, and only their own rows
+    got = np.asarray(product(bad))
+    assert np.isnan(got[1]).all() and np.isnan(got[2]).all()
+    assert np.isnan(np.asarray(reference(bad))[1:]).all()
+    np.testing.assert_array_equal(got[0], whole[0])
+    batched = np.asarray(product(x[:6].reshape(2, 3, K)))  # leading dimensions
+    np.testing.assert_array_equal(batched.reshape(6, N), whole[:6])

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels
 from pallas_kernels import native
 from pallas_kernels.int_dot import IntDot8, int_dot8_codes, int_dot8_reference, unpack_int_dot8
 from pallas_kernels.linear import dequantize_int8, quantize_int8
+from builders import check_int_dot_product
 
 
 def _codes(K, N, seed=0):
@@ -58,24 +58,7 @@ def test_native_kernel_matches_its_definition_for_any_number_of_rows(K, N):
     from pallas_kernels.native.matmul import matmul_int_dot8
 
     _, c = _codes(K, N, seed=K)
-    x = np.random.default_rng(N).standard_normal((11, K)).astype(np.float32)
-    x[2] = 0.0  # a row of zeros
-    x[3, :32] = 0.0  # and one block of zeros
-    x = jnp.asarray(x)
-    whole = np.asarray(matmul_int_dot8(x, c.q, c.scale))
-    ref = np.asarray(int_dot8_reference(x, c))
-    for M in (1, 2, 3, 4, 5, 9, 11):
-        got = np.asarray(pallas_kernels.linear(x[:M], c))  # the dispatcher takes the native kernel on CPU
-        np.testing.assert_allclose(got, ref[:M], rtol=2e-6, atol=2e-6 * np.abs(ref[:M]).max())
-        np.testing.assert_array_equal(got, whole[:M])  # a row's result does not depend on the others
-    np.testing.assert_array_equal(whole[2], 0)
-    bad = x[:3].at[1, 40].set(jnp.nan).at[2, 7].set(jnp.inf)  # non-finite rows give NaN, and only their own rows
-    got = np.asarray(matmul_int_dot8(bad, c.q, c.scale))
-    assert np.isnan(got[1]).all() and np.isnan(got[2]).all()
-    assert np.isnan(np.asarray(int_dot8_reference(bad, c))[1:]).all()
-    np.testing.assert_array_equal(got[0], whole[0])
-    batched = np.asarray(matmul_int_dot8(x[:6].reshape(2, 3, K), c.q, c.scale))  # leading dimensions
-    np.testing.assert_array_equal(batched.reshape(6, N), whole[:6])
+    check_int_dot_product(c, lambda x: matmul_int_dot8(x, c.q, c.scale), lambda x: int_dot8_reference(x, c), seed=N)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native library did not build here")
