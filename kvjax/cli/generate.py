@@ -518,8 +518,8 @@ def register(sub) -> None:
                         "loops read its exact block codes --, bfloat16 on GPU/TPU; bfloat16: a bf16 copy, half the "
                         "bytes per draft token; int8: codes with a scale per output column, a quarter; int_dot: a GGUF "
                         "model's 4-bit codes (or a float model's int8 codes) times int16-rounded rows by integer dot "
-                        "products, the default drafter's for a GGUF model where the CPU has them; verification keeps the exact weights, so the output "
-                        "is unchanged)")
+                        "products, the default drafter's for a GGUF model where the CPU has them; verification keeps "
+                        "the exact weights, so the output is unchanged)")
     v.add_argument("--offload", action="store_true", help="keep the prompt's full cache in host memory")
     v.add_argument("--rejection", action="store_true", help="speculative rejection sampling (needs --temperature)")
     v.add_argument("--compare-full", action="store_true",

@@ -101,9 +101,10 @@ def draft_params(model, weights: str = "float32"):
     verification, so no extra copy); for "bfloat16" a fused bf16 copy, for "int8" fused
     int8 codes with a scale per output column (`pallas_kernels.linear.Int8Weight`; on CPU packed in 64-column panels,
     `PackedInt8`); for "int_dot" a GGUF model's 4-bit codes, or a float model's int8 codes, in the integer-dot layout,
-    multiplied with int16-quantised rows (`pallas_kernels.int_dot`: lossy, a draft's only); each made on first use and then kept while the model's
-    params hold the same arrays (a weight replaced anywhere in the tree makes it again); InputError
-    (`check_draft_weights`) for any other name or where this family, model or platform cannot draft with it."""
+    multiplied with int16-quantised rows (`pallas_kernels.int_dot`: lossy, a draft's only); each made on first use and
+    then kept while the model's params hold the same arrays (a weight replaced anywhere in the tree makes it again);
+    InputError (`check_draft_weights`) for any other name or where this family, model or platform cannot draft with
+    it."""
     if weights == "float32":
         return model.loop_params()
     check_draft_weights(weights, model.family.name)

@@ -2,9 +2,9 @@
 (`attention.cc`; with some rows' block masses from the same pass, `attend_stats_mass`), the refreshing drafter's
 block masses (`block_mass.cc`, wrapped by `native.block_mass`), products
 with bf16 weights, int8 codes or exact block codes (`matmul.cc`, `native.matmul`), a draft's lossy products of 4-bit
-or int8 codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot` / `matmul_int_dot8`), gathers of a cache's rows as int8
-codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`, both on `gather.h`) and greedy tokens' argmax (`argmax.cc`,
-`pallas_kernels.argmax`).
+or int8 codes with int16-quantised rows (`int_dot.cc`, `native.matmul.matmul_int_dot` / `matmul_int_dot8`), gathers
+of a cache's rows as int8 codes (`gather_int8.cc`) or f32 / bf16 (`gather_rows.cc`, both on `gather.h`) and greedy
+tokens' argmax (`argmax.cc`, `pallas_kernels.argmax`).
 
 Build choice: the library is compiled on first use, not by a setuptools step, into a per-user cache directory keyed by
 the sources' hash, the jax/jaxlib versions, the compiler, its flags and the CPU's feature flags. Why: the project is
