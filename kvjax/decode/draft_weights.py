@@ -48,29 +48,28 @@ def check_draft_weights(name: str, family_name: str | None = None) -> str:
 def _int8(w):
     """int8 codes of `w`, packed in 64-column panels where the native CPU product reads them (the same bits as the
     plain codes; SmolLM2's 121 one-row int8 products of a draft token as a chain, one process: 12.0 vs 19.6 ms)."""
-    q = quantize_int8(w)
+    return _packed(quantize_int8(w))
+
+
+def _packed(q):
+    """int8 codes `q` (an `Int8Weight`) in 64-column panels where the native CPU product reads them, else as is."""
     if packed_weights_supported() and q.codes.shape[1] % PANEL == 0:
         return pack_int8(q)
     return q
 
 
-def _int_dot_params(model):
-    """The loops' params with every projection in an integer-dot layout (`pallas_kernels.int_dot`): a GGUF model's own
-    4-bit codes (`_four_bit_params`), or int8 codes with a scale per column made from a float model's weights
-    (`IntDot8`, the "int8" draft's codes; a matrix the kernel's blocks and panels do not fit stays packed int8)."""
-    params = model.loop_params()
-    if any(isinstance(layer[k], PackedAffine) for layer in params["layers"] for k in FUSED_PROJECTIONS if k in layer):
-        return _four_bit_params(model, params)
+def _int_dot8(w):
+    """The "int8" draft's codes of a float matrix `w` in the integer-dot layout (`IntDot8`), or in the int8 draft's own
+    layout where the kernel's blocks of 32 k and panels of 64 columns do not fit it."""
+    q = quantize_int8(w)
+    return int_dot8_codes(q.codes, q.scale) or _packed(q)
 
-    def codes(w):
-        q = quantize_int8(w)
-        return int_dot8_codes(q.codes, q.scale) or _int8(w)
 
-    params = model.family.loop_params(model.params)
-    layers = tuple({k: (codes(v) if k in FUSED_PROJECTIONS else v) for k, v in layer.items()}
-                   for layer in params["layers"])
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return dict(params, layers=layers, lm_head=codes(head))
+def _reads_block_codes(model) -> bool:
+    """Whether `model`'s loops read some projection as GGUF block codes (`PackedAffine`): its integer-dot draft then
+    reads those codes (`_four_bit_params`)."""
+    return any(isinstance(layer[k], PackedAffine) for layer in model.loop_params()["layers"]
+               for k in FUSED_PROJECTIONS if k in layer)
 
 
 def _four_bit_params(model, params):
@@ -113,12 +112,12 @@ def draft_params(model, weights: str = "float32"):
     hit = _cache.get(key)
     if hit is not None:
         return hit[1]
-    if weights == "int_dot":
-        out = _int_dot_params(model)
+    if weights == "int_dot" and _reads_block_codes(model):
+        out = _four_bit_params(model, model.loop_params())
         _remember(key, leaves, out)
         return out
     params = model.family.loop_params(model.params)
-    store = _int8 if weights == "int8" else (lambda w: jnp.asarray(w, jnp.bfloat16))
+    store = {"int8": _int8, "int_dot": _int_dot8}.get(weights, lambda w: jnp.asarray(w, jnp.bfloat16))
     layers = tuple({k: (store(v) if k in FUSED_PROJECTIONS else v) for k, v in layer.items()}
                    for layer in params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
